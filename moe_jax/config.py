@@ -1,0 +1,180 @@
+"""``MoEConfig``: what a layer is, and which implementations it asks for.
+
+A frozen, keyword-only, hashable dataclass (usable as a static ``jit`` argument), validated
+in ``__post_init__``; ``dataclasses.replace`` re-validates. The allowed values of
+``expert_gemm`` and ``exchange`` are read from the registries that dispatch uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, get_args
+
+from moe_jax.exchange import EXCHANGE
+from moe_jax.experts import EXPERT_GEMM
+from moe_jax.registry import AUTO
+
+Scoring = Literal["softmax", "sigmoid"]
+WeightFormat = Literal["bf16", "nvfp4"]
+ActivationDtype = Literal["bfloat16", "float32"]
+
+
+def _fail(field: str, value, rule: str):
+    raise ValueError(f"MoEConfig.{field} = {value!r}: {rule}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A Mixture-of-Experts layer: shape, router, weight format and implementation choices.
+
+    Shape:
+      num_experts: routed experts E.
+      top_k: experts per token k (1 <= k <= E).
+      hidden_size: model width H.
+      expert_intermediate_size: each routed expert's SwiGLU width F.
+      num_shared_experts: always-on experts added to every token (DeepSeek-V3, Kimi K2: 1).
+      shared_intermediate_size: their combined SwiGLU width; None means
+        ``num_shared_experts * expert_intermediate_size`` (DeepSeek-V3's convention).
+
+    Router (see :func:`moe_jax.router.route`):
+      scoring: ``"softmax"`` (Mixtral, Qwen) or ``"sigmoid"`` (DeepSeek-V3, Kimi K2).
+      num_groups, topk_groups: group-limited selection; E must divide into num_groups.
+      normalize: divide the chosen weights by their sum.
+      routed_scaling_factor: multiplies the routed weights.
+      router_bias: the router has a per-expert correction bias used for selection only.
+
+    Weights and activations:
+      weight_format: expert weights in ``"bf16"`` or ``"nvfp4"`` (ModelOpt layout).
+      dtype: activation dtype.
+
+    Implementations (each ``"auto"`` or a registered name; see ``moe-jax explain``):
+      expert_gemm: the grouped expert MLP, one of ``EXPERT_GEMM.names()``.
+      exchange: the expert-parallel token exchange, one of ``EXCHANGE.names()``.
+      interpret: run Pallas kernels in the Pallas interpreter, which lets them run on CPU;
+        slow, for tests and debugging, never chosen on its own.
+
+    Parallelism:
+      expert_axis: the mesh axis over which experts are sharded.
+      capacity_factor: None for dropless (the default); else each device receives at most
+        ``ceil(capacity_factor * tokens * top_k / expert_parallel)`` rows and the rest are
+        dropped and counted in the layer's statistics.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    shared_intermediate_size: int | None = None
+
+    scoring: Scoring = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    normalize: bool = True
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+
+    weight_format: WeightFormat = "bf16"
+    dtype: ActivationDtype = "bfloat16"
+
+    expert_gemm: str = AUTO
+    exchange: str = AUTO
+    interpret: bool = False
+
+    expert_axis: str = "expert"
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        for field, least in (("num_experts", 1), ("top_k", 1), ("hidden_size", 1),
+                             ("expert_intermediate_size", 1), ("num_shared_experts", 0),
+                             ("num_groups", 1), ("topk_groups", 1)):
+            value = getattr(self, field)
+            if type(value) is not int or value < least:
+                _fail(field, value, f"must be an int >= {least}")
+        if self.top_k > self.num_experts:
+            _fail("top_k", self.top_k, f"must be <= num_experts = {self.num_experts}")
+        if self.shared_intermediate_size is not None:
+            if type(self.shared_intermediate_size) is not int or self.shared_intermediate_size < 1:
+                _fail("shared_intermediate_size", self.shared_intermediate_size, "must be a positive int or None")
+            if self.num_shared_experts == 0:
+                _fail("shared_intermediate_size", self.shared_intermediate_size, "needs num_shared_experts >= 1")
+        self._check_groups()
+        for field, allowed in (
+            ("scoring", get_args(Scoring)),
+            ("weight_format", get_args(WeightFormat)),
+            ("dtype", get_args(ActivationDtype)),
+            ("expert_gemm", (AUTO, *EXPERT_GEMM.names())),
+            ("exchange", (AUTO, *EXCHANGE.names())),
+        ):
+            if getattr(self, field) not in allowed:
+                _fail(field, getattr(self, field), f"must be one of {', '.join(map(repr, allowed))}")
+        for field in ("normalize", "router_bias", "interpret"):
+            if type(getattr(self, field)) is not bool:
+                _fail(field, getattr(self, field), "must be a bool")
+        if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
+                and self.routed_scaling_factor > 0):
+            _fail("routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
+        if self.weight_format == "nvfp4":
+            for field in ("hidden_size", "expert_intermediate_size"):
+                if getattr(self, field) % 16:
+                    _fail(field, getattr(self, field), "must be a multiple of 16 for NVFP4 weights (one scale per 16)")
+        if not isinstance(self.expert_axis, str) or not self.expert_axis:
+            _fail("expert_axis", self.expert_axis, "must be a non-empty mesh axis name")
+        if self.capacity_factor is not None and not (
+            isinstance(self.capacity_factor, (int, float)) and math.isfinite(self.capacity_factor)
+            and self.capacity_factor > 0
+        ):
+            _fail("capacity_factor", self.capacity_factor, "must be None (dropless) or a finite number > 0")
+
+    def _check_groups(self):
+        if self.num_experts % self.num_groups:
+            _fail("num_groups", self.num_groups, f"must divide num_experts = {self.num_experts}")
+        if self.topk_groups > self.num_groups:
+            _fail("topk_groups", self.topk_groups, f"must be <= num_groups = {self.num_groups}")
+        if self.num_groups > 1:
+            per_group = self.num_experts // self.num_groups
+            if per_group < 2:
+                _fail("num_groups", self.num_groups, "needs >= 2 experts per group (a group scores by its top 2)")
+            if self.top_k > self.topk_groups * per_group:
+                _fail("top_k", self.top_k, f"must be <= topk_groups * experts per group = {self.topk_groups * per_group}")
+
+    @property
+    def shared_size(self) -> int:
+        """The shared experts' combined SwiGLU width (0 without shared experts)."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.num_shared_experts * self.expert_intermediate_size
+
+    # Presets carry the published numbers of each model's config.json.
+
+    @classmethod
+    def kimi_k2(cls, **overrides) -> MoEConfig:
+        """Kimi K2 (moonshotai/Kimi-K2-Instruct): 384 experts, top-8, sigmoid, scaling 2.827."""
+        return cls(**{
+            **dict(num_experts=384, top_k=8, hidden_size=7168, expert_intermediate_size=2048,
+                   num_shared_experts=1, scoring="sigmoid", num_groups=1, topk_groups=1,
+                   normalize=True, routed_scaling_factor=2.827, router_bias=True),
+            **overrides,
+        })
+
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> MoEConfig:
+        """DeepSeek-V3: 256 experts, top-8 within the best 4 of 8 groups, sigmoid, scaling 2.5."""
+        return cls(**{
+            **dict(num_experts=256, top_k=8, hidden_size=7168, expert_intermediate_size=2048,
+                   num_shared_experts=1, scoring="sigmoid", num_groups=8, topk_groups=4,
+                   normalize=True, routed_scaling_factor=2.5, router_bias=True),
+            **overrides,
+        })
+
+    @classmethod
+    def mixtral_8x7b(cls, **overrides) -> MoEConfig:
+        """Mixtral 8x7B: 8 experts, top-2, softmax renormalized over the chosen two."""
+        return cls(**{
+            **dict(num_experts=8, top_k=2, hidden_size=4096, expert_intermediate_size=14336,
+                   scoring="softmax", normalize=True),
+            **overrides,
+        })
+
+    PRESETS = ("kimi_k2", "deepseek_v3", "mixtral_8x7b")

@@ -1,0 +1,89 @@
+"""The routed experts' MLP (gate/up projection, SwiGLU, down projection) and its registry.
+
+Every implementation has the signature ``run(x_mh, group_sizes_e, weights, config) -> y_mh``:
+
+* ``x_mh``: ``[M, H]`` rows sorted by expert, rows of expert ``e`` contiguous;
+* ``group_sizes_e``: int32 ``[E_local]``; rows past ``sum(group_sizes_e)`` are padding, and
+  their outputs are unspecified;
+* ``weights``: ``{"w_gate_up_egh": [E_local, 2F, H], "w_down_ehf": [E_local, H, F]}``, each a
+  bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` (out, in; gate rows before up rows);
+* returns ``y_mh`` ``[M, H]`` in ``config.dtype``.
+
+Dimension letters: ``m`` rows, ``h`` hidden, ``e`` experts, ``f`` expert intermediate,
+``g = 2f`` (gate and up stacked).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import nvfp4
+from moe_jax.registry import Implementation, Registry, Target
+
+if TYPE_CHECKING:
+    from moe_jax.config import MoEConfig
+
+# Contract x's dim 1 with w's dim 2: weights stay (out, in), as checkpoints store them.
+_ROWS_TIMES_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def dense_weight(w, dtype) -> jax.Array:
+    """A bf16 array as is, or an NVFP4 tensor dequantized exactly (fp32), cast to ``dtype``."""
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return nvfp4.dequantize(w, dtype)
+    return w.astype(dtype)
+
+
+def swiglu(h_mg: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
+    gate, up = jnp.split(h_mg, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def xla_expert_mlp(x_mh, group_sizes_e, weights, config: MoEConfig):
+    """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
+
+    The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
+    fused kernel that writes it in bf16 would.
+    """
+    dtype = jnp.dtype(config.dtype)
+    w_gate_up_egh = dense_weight(weights["w_gate_up_egh"], dtype)
+    w_down_ehf = dense_weight(weights["w_down_ehf"], dtype)
+    h_mg = jax.lax.ragged_dot_general(
+        x_mh.astype(dtype), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
+        preferred_element_type=jnp.float32,
+    )
+    a_mf = swiglu(h_mg).astype(dtype)
+    y_mh = jax.lax.ragged_dot_general(
+        a_mf, w_down_ehf, group_sizes_e, _ROWS_TIMES_OUT_IN, preferred_element_type=jnp.float32
+    )
+    return y_mh.astype(dtype)
+
+
+def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
+    del target, config  # XLA's ragged_dot lowers on every backend and has a VJP.
+    return None
+
+
+def _auto_order(target: Target, config: MoEConfig):
+    del target, config
+    return ("xla",), "only the reference path is registered"
+
+
+EXPERT_GEMM = Registry(
+    stage="expert_gemm",
+    implementations=(
+        Implementation(
+            name="xla",
+            summary="reference: dequantize + jax.lax.ragged_dot (fp32 accumulation); any backend, differentiable",
+            cannot_run=_xla_cannot_run,
+            run=xla_expert_mlp,
+        ),
+    ),
+    auto_order=_auto_order,
+)

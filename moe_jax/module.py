@@ -1,0 +1,86 @@
+"""``MoE``: the layer as a Flax NNX module.
+
+Resolution happens in ``__init__`` (once, before any tracing); the plan is a static
+attribute, so ``nnx.jit`` compiles exactly the implementations the report names.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
+
+from moe_jax.config import MoEConfig
+from moe_jax.layer import Params, check_params, init_params, moe_forward
+from moe_jax.nvfp4 import NVFP4Tensor
+from moe_jax.resolve import Plan, resolve
+
+
+class QuantizedWeight(nnx.Variable):
+    """An NVFP4 projection: stored, used, never differentiated (it is not an ``nnx.Param``)."""
+
+
+def _variable(w):
+    return QuantizedWeight(w) if isinstance(w, NVFP4Tensor) else nnx.Param(w)
+
+
+class MoE(nnx.Module):
+    """A Mixture-of-Experts layer: router, routed experts, optional shared experts.
+
+    ``__call__(x [..., H]) -> (y [..., H], stats)``; ``stats`` as in :func:`moe_forward`.
+    bf16 weights and the router are ``nnx.Param`` (trainable); NVFP4 weights are
+    :class:`QuantizedWeight` variables, so ``nnx.grad`` over ``nnx.Param`` skips them.
+
+    Args:
+      config: the layer.
+      rngs: initializes random parameters (ignored when ``params`` is given).
+      mesh: a mesh with ``config.expert_axis`` for expert parallelism, or None for one device.
+      training: resolve for training (only implementations with a VJP qualify).
+      params: existing parameters in :func:`moe_jax.init_params`' layout, e.g. from a checkpoint.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        rngs: nnx.Rngs,
+        mesh: Mesh | AbstractMesh | None = None,
+        training: bool = False,
+        params: Params | None = None,
+    ):
+        self.plan: Plan = resolve(config, mesh, training=training)
+        if params is None:
+            params = init_params(config, rngs.params())
+        check_params(params, config)
+        self.router_w_eh = nnx.Param(params["router"]["w_eh"])
+        self.router_bias_e = nnx.Param(params["router"]["bias_e"]) if config.router_bias else None
+        self.w_gate_up_egh = _variable(params["experts"]["w_gate_up_egh"])
+        self.w_down_ehf = _variable(params["experts"]["w_down_ehf"])
+        shared = params.get("shared")
+        self.shared_w_gate_up_gh = _variable(shared["w_gate_up_gh"]) if shared else None
+        self.shared_w_down_hs = _variable(shared["w_down_hs"]) if shared else None
+
+    @property
+    def config(self) -> MoEConfig:
+        return self.plan.config
+
+    def params(self) -> Params:
+        """The parameters as the pytree :func:`moe_forward` takes."""
+        params = {
+            "router": {"w_eh": self.router_w_eh.get_value()},
+            "experts": {
+                "w_gate_up_egh": self.w_gate_up_egh.get_value(),
+                "w_down_ehf": self.w_down_ehf.get_value(),
+            },
+        }
+        if self.router_bias_e is not None:
+            params["router"]["bias_e"] = self.router_bias_e.get_value()
+        if self.shared_w_gate_up_gh is not None:
+            params["shared"] = {
+                "w_gate_up_gh": self.shared_w_gate_up_gh.get_value(),
+                "w_down_hs": self.shared_w_down_hs.get_value(),
+            }
+        return params
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        return moe_forward(self.params(), x, self.plan)

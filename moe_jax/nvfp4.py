@@ -1,0 +1,176 @@
+"""NVFP4 weights in NVIDIA ModelOpt's layout: the format, the quantizer, the dequantizer.
+
+An NVFP4 matrix ``W [N, K]`` (out, in) is stored as
+
+* ``packed``       uint8          ``[..., N, K/2]``  two E2M1 codes a byte, element ``2i`` in the low nibble;
+* ``scales``       float8_e4m3fn  ``[..., N, K/16]`` one scale per 16 consecutive elements along K;
+* ``global_scale`` float32        ``[...]``          one per matrix (ModelOpt's ``weight_scale_2``);
+
+and ``W ~= e2m1(code) * fp32(scale) * global_scale``. Leading axes (experts) batch.
+
+The quantizer follows ModelOpt's ``NVFP4QTensor`` recipe to the bit, including its
+two corner cases: a block whose amax is zero gets the scale 1.0, and a block whose
+scale rounds to zero in E4M3 quantizes to code 7 (its values dequantize to zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+#: The value of each E2M1 code 0..15; bit 3 is the sign.
+E2M1_VALUES = np.array(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32
+)
+# Midpoints between neighbouring magnitudes; a tie rounds to the even code.
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_ROUND_UP_AT_TIE = (0.75, 1.75, 3.5)  # the midpoints whose upper neighbour has the even code
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """A batch of NVFP4 matrices ``[..., N, K]`` in ModelOpt's row-major layout.
+
+    Attributes:
+      packed: uint8 ``[..., N, K/2]``; element ``2i`` of a row in the low nibble of byte ``i``.
+      scales: float8_e4m3fn ``[..., N, K/16]``.
+      global_scale: float32 ``[...]``, one per matrix.
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape ``[..., N, K]``."""
+        *lead, n, k_half = self.packed.shape
+        return (*lead, n, 2 * k_half)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.packed, self.scales, self.global_scale))
+
+    def validate(self, name: str = "tensor") -> NVFP4Tensor:
+        """Raises ValueError naming ``name`` if dtypes or shapes disagree with the layout."""
+        expected = {"packed": np.uint8, "scales": ml_dtypes.float8_e4m3fn, "global_scale": np.float32}
+        for field, dtype in expected.items():
+            found = getattr(self, field).dtype
+            if found != dtype:
+                raise ValueError(f"{name}.{field}: dtype {found}, expected {np.dtype(dtype).name}")
+        *lead, n, k = self.shape
+        if self.packed.ndim < 2:
+            raise ValueError(f"{name}.packed: rank {self.packed.ndim}, expected >= 2 ([..., N, K/2])")
+        if self.scales.shape != (*lead, n, k // BLOCK) or k % BLOCK:
+            raise ValueError(
+                f"{name}.scales: shape {self.scales.shape} for packed {self.packed.shape}, "
+                f"expected {(*lead, n, k // BLOCK)} with K={k} a multiple of {BLOCK}"
+            )
+        if self.global_scale.shape != tuple(lead):
+            raise ValueError(
+                f"{name}.global_scale: shape {self.global_scale.shape}, expected {tuple(lead)} (one per matrix)"
+            )
+        return self
+
+
+def e2m1_encode(v: jax.Array) -> jax.Array:
+    """Rounds float32 values to E2M1 codes (uint8 0..15), half to even, saturating at +-6.
+
+    Matches ModelOpt's ``_cast_fp4``: ``-0.0`` encodes as 0, +-inf as +-6, NaN as code 7.
+    """
+    mag = jnp.abs(v)
+    code = sum((mag > b).astype(jnp.uint8) for b in _E2M1_BOUNDS)
+    code = code + sum((mag == b).astype(jnp.uint8) for b in _ROUND_UP_AT_TIE)
+    code = jnp.where(jnp.isnan(v), jnp.uint8(7), code)
+    return code | ((v < 0).astype(jnp.uint8) << 3)
+
+
+def e2m1_decode(code: jax.Array) -> jax.Array:
+    """E2M1 codes (any integer dtype, 0..15) to float32 values."""
+    return jnp.asarray(E2M1_VALUES)[code.astype(jnp.int32)]
+
+
+def pack_codes(code: jax.Array) -> jax.Array:
+    """uint8 codes ``[..., K]`` to bytes ``[..., K/2]``, element ``2i`` in the low nibble."""
+    return code[..., 0::2] | (code[..., 1::2] << 4)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """Bytes ``[..., K/2]`` to uint8 codes ``[..., K]``; the inverse of :func:`pack_codes`."""
+    lo, hi = packed & 0xF, packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _check_quantizable(w, name: str) -> None:
+    if w.ndim < 2:
+        raise ValueError(f"{name}: rank {w.ndim}, expected >= 2 ([..., N, K])")
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"{name}: K = shape[-1] = {w.shape[-1]}, expected a multiple of {BLOCK}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"{name}: dtype {w.dtype}, expected a floating dtype")
+    if not isinstance(w, jax.core.Tracer):
+        bad = int(jnp.size(w) - jnp.count_nonzero(jnp.isfinite(w)))
+        if bad:
+            raise ValueError(f"{name}: {bad} non-finite values (NaN or Inf); NVFP4 has no encoding for them")
+
+
+def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
+    """Quantizes ``w [..., N, K]`` with ModelOpt's NVFP4 recipe, one global scale per matrix.
+
+    ``global = amax(|W|) / (6 * 448)``; ``block = e4m3(block_amax / (6 * global))`` (1.0 where
+    that ratio is 0); ``code = e2m1_rne(W / (fp32(block) * global))``. All arithmetic in float32.
+
+    Raises:
+      ValueError: rank < 2, K not a multiple of 16, a non-floating dtype, or (for concrete
+        inputs) any NaN/Inf.
+    """
+    _check_quantizable(w, name)
+    return _quantize(jnp.asarray(w))
+
+
+def _true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """IEEE float32 division, as ModelOpt's torch code does it.
+
+    XLA rewrites ``a / broadcast(b)`` into ``a * broadcast(1 / b)``, which rounds differently;
+    hiding the broadcast behind an optimization barrier keeps a true division.
+    """
+    denominator = jnp.broadcast_to(denominator, numerator.shape)
+    return numerator / jax.lax.optimization_barrier(denominator)
+
+
+@jax.jit
+def _quantize(w: jax.Array) -> NVFP4Tensor:
+    w = w.astype(jnp.float32)
+    *lead, n, k = w.shape
+    global_scale = _true_divide(jnp.max(jnp.abs(w), axis=(-2, -1)), jnp.float32(E2M1_MAX * E4M3_MAX))
+    w_blocks = w.reshape(*lead, n, k // BLOCK, BLOCK)
+    block_amax = jnp.max(jnp.abs(w_blocks), axis=-1)
+    ratio = _true_divide(block_amax, jnp.float32(E2M1_MAX) * global_scale[..., None, None])
+    # A zero matrix makes ratio 0/0; ModelOpt leaves that NaN, which would poison the scale.
+    ratio = jnp.where((ratio == 0) | jnp.isnan(ratio), jnp.float32(1.0), ratio)
+    scales = ratio.astype(jnp.float8_e4m3fn)
+    denom = scales.astype(jnp.float32) * global_scale[..., None, None]
+    codes = e2m1_encode(_true_divide(w_blocks, denom[..., None]).reshape(*lead, n, k))
+    return NVFP4Tensor(packed=pack_codes(codes), scales=scales, global_scale=global_scale)
+
+
+def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
+    """NVFP4 ``[..., N, K]`` to ``dtype``: ``e2m1(code) * (fp32(scale) * global_scale)``."""
+    values = e2m1_decode(unpack_codes(t.packed))
+    *lead, n, k = values.shape
+    block_scale = t.scales.astype(jnp.float32) * t.global_scale[..., None, None]
+    w = values.reshape(*lead, n, k // BLOCK, BLOCK) * block_scale[..., None]
+    return w.reshape(*lead, n, k).astype(dtype)

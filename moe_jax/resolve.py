@@ -1,0 +1,218 @@
+"""Resolution: config + devices -> one implementation per stage, with a readable report.
+
+Resolution happens once, before tracing, in plain Python. An explicit choice that cannot run
+raises :class:`ResolutionError` with the implementation's own reason; ``auto`` picks exactly
+one and says why; nothing falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+from moe_jax.config import MoEConfig
+from moe_jax.exchange import EXCHANGE
+from moe_jax.experts import EXPERT_GEMM
+from moe_jax.registry import AUTO, Registry, Target
+
+STAGES: tuple[Registry, ...] = (EXPERT_GEMM, EXCHANGE)
+
+# device_kind -> compute capability, for devices that do not report one (abstract devices
+# used to cross-compile, e.g. for an RTX PRO 6000 on a machine without it).
+_KNOWN_CAPABILITIES = (
+    ("RTX PRO 6000", 120), ("RTX 50", 120), ("B200", 100), ("B100", 100), ("GB200", 100),
+    ("H200", 90), ("H100", 90), ("H800", 90), ("GH200", 90), ("L40", 89), ("L4", 89),
+    ("RTX 40", 89), ("RTX 6000 Ada", 89), ("A100", 80), ("A800", 80), ("A10", 86), ("A40", 86),
+    ("RTX 30", 86),
+)
+
+
+class ResolutionError(ValueError):
+    """An explicit choice cannot run on the target, or ``auto`` found nothing that can."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What resolution decided for one stage."""
+
+    stage: str
+    requested: str
+    chosen: str
+    why: str
+    rejected: tuple[tuple[str, str], ...]  # (name, reason) for every implementation not chosen
+
+    def lines(self) -> list[str]:
+        out = [f"  {self.stage}: {self.chosen}  (requested {self.requested!r}; {self.why})"]
+        out += [f"      not {name}: {reason}" for name, reason in self.rejected]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The resolved layer: its config, the chosen implementation of each stage, and where.
+
+    Hashable, so it can be a static argument of ``jax.jit``. ``str(plan)`` is the report.
+    """
+
+    config: MoEConfig
+    target: Target
+    decisions: tuple[Decision, ...]
+    mesh: Mesh | AbstractMesh | None = None
+
+    def chosen(self, stage: str) -> str:
+        for decision in self.decisions:
+            if decision.stage == stage:
+                return decision.chosen
+        raise KeyError(stage)
+
+    @property
+    def expert_gemm(self) -> str:
+        return self.chosen(EXPERT_GEMM.stage)
+
+    @property
+    def exchange(self) -> str:
+        return self.chosen(EXCHANGE.stage)
+
+    def scope(self, stage: str) -> str:
+        """The ``jax.named_scope`` that marks this stage's chosen implementation in the HLO."""
+        return f"moe_jax.{stage}.{self.chosen(stage)}"
+
+    @property
+    def report(self) -> str:
+        cfg = self.config
+        head = (
+            f"moe-jax plan: {cfg.num_experts} experts, top-{cfg.top_k}, hidden {cfg.hidden_size}, "
+            f"expert intermediate {cfg.expert_intermediate_size}, {cfg.weight_format} weights\n"
+            f"  target: {self.target.describe()}"
+        )
+        return "\n".join([head, *(line for d in self.decisions for line in d.lines())])
+
+    def __str__(self) -> str:
+        return self.report
+
+
+def compute_capability(device_kind: str, reported: str | None = None) -> int | None:
+    """``major * 10 + minor`` from a device's reported capability (``"9.0"``) or its name."""
+    if reported:
+        major, minor = reported.split(".")[:2]
+        return int(major) * 10 + int(minor)
+    for needle, cc in _KNOWN_CAPABILITIES:
+        if needle in device_kind:
+            return cc
+    return None
+
+
+def _platform(platform: str, device_kind: str) -> str:
+    if platform in ("gpu", "cuda"):
+        return "rocm" if "AMD" in device_kind or "Instinct" in device_kind else "cuda"
+    return platform
+
+
+def target_for(
+    devices_or_mesh: Mesh | AbstractMesh | Sequence[jax.Device] | None,
+    config: MoEConfig,
+    *,
+    training: bool = False,
+    tokens_per_device: int | None = None,
+) -> Target:
+    """Describes where the layer will run. ``None`` means ``jax.devices()[0]`` alone."""
+    if isinstance(devices_or_mesh, (Mesh, AbstractMesh)):
+        mesh = devices_or_mesh
+        if config.expert_axis not in mesh.axis_names:
+            raise ResolutionError(
+                f"mesh: axes {tuple(mesh.axis_names)} have no expert axis {config.expert_axis!r} "
+                f"(MoEConfig.expert_axis)"
+            )
+        expert_parallel = mesh.shape[config.expert_axis]
+        if isinstance(mesh, AbstractMesh):
+            device = mesh.abstract_device
+            if device is None:
+                raise ResolutionError("mesh: an AbstractMesh needs an abstract_device to resolve for")
+            platform, kind, reported = device.platform, device.device_kind, None
+        else:
+            first = mesh.devices.flat[0]
+            platform, kind = first.platform, first.device_kind
+            reported = getattr(first, "compute_capability", None)
+        num_devices = mesh.size
+    else:
+        devices = list(devices_or_mesh) if devices_or_mesh is not None else jax.devices()[:1]
+        if len(devices) != 1:
+            raise ResolutionError(
+                f"devices: {len(devices)} devices without a mesh; pass a jax.sharding.Mesh with an "
+                f"{config.expert_axis!r} axis for expert parallelism, or a single device"
+            )
+        first = devices[0]
+        platform, kind = first.platform, first.device_kind
+        reported = getattr(first, "compute_capability", None)
+        expert_parallel = num_devices = 1
+    if config.num_experts % expert_parallel:
+        raise ResolutionError(
+            f"mesh: expert axis {config.expert_axis!r} has {expert_parallel} devices, which does not "
+            f"divide num_experts = {config.num_experts}"
+        )
+    platform = _platform(platform, kind)
+    return Target(
+        platform=platform,
+        device_kind=kind,
+        compute_capability=compute_capability(kind, reported) if platform == "cuda" else None,
+        num_devices=num_devices,
+        expert_parallel=expert_parallel,
+        training=training,
+        tokens_per_device=tokens_per_device,
+    )
+
+
+def _decide(registry: Registry, requested: str, target: Target, config: MoEConfig) -> Decision:
+    reasons = {impl.name: impl.cannot_run(target, config) for impl in registry.implementations}
+    if requested != AUTO:
+        if reasons[requested] is not None:
+            raise ResolutionError(
+                f"MoEConfig.{registry.stage} = {requested!r} cannot run on {target.describe()}: "
+                f"{reasons[requested]}"
+            )
+        rejected = tuple((n, "not requested") for n in registry.names() if n != requested)
+        return Decision(registry.stage, requested, requested, "explicit choice", rejected)
+    order, why_order = registry.auto_order(target, config)
+    capable = [name for name in order if reasons[name] is None]
+    if not capable:
+        detail = "; ".join(f"{n}: {r}" for n, r in reasons.items() if r is not None)
+        raise ResolutionError(
+            f"MoEConfig.{registry.stage} = 'auto': nothing can run on {target.describe()} "
+            f"({why_order}; {detail})"
+        )
+    chosen = capable[0]
+    rejected = tuple(
+        (name, reasons[name] or f"can run, but {chosen!r} comes first ({why_order})")
+        for name in registry.names()
+        if name != chosen
+    )
+    return Decision(registry.stage, AUTO, chosen, f"auto: {why_order}", rejected)
+
+
+def resolve(
+    config: MoEConfig,
+    devices_or_mesh: Mesh | AbstractMesh | Sequence[jax.Device] | None = None,
+    *,
+    training: bool = False,
+    tokens_per_device: int | None = None,
+) -> Plan:
+    """Chooses one implementation per stage for ``config`` on the given devices.
+
+    Args:
+      config: the layer.
+      devices_or_mesh: a ``Mesh`` (with ``config.expert_axis``), an ``AbstractMesh`` (for
+        cross-compilation), one device, or None for ``jax.devices()[0]``.
+      training: gradients will be taken (rules out implementations without a VJP).
+      tokens_per_device: a size hint that lets ``auto`` pick by size.
+
+    Raises:
+      ResolutionError: an explicit choice cannot run (with its reason), ``auto`` finds nothing,
+        or the mesh does not fit the config.
+    """
+    target = target_for(devices_or_mesh, config, training=training, tokens_per_device=tokens_per_device)
+    decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in STAGES)
+    mesh = devices_or_mesh if isinstance(devices_or_mesh, (Mesh, AbstractMesh)) else None
+    return Plan(config=config, target=target, decisions=decisions, mesh=mesh)

@@ -1,0 +1,69 @@
+"""Sort-based token dispatch to experts on one device, and its inverse.
+
+Dimension letters: ``t`` tokens, ``k`` top-k slots, ``h`` hidden, ``e`` experts,
+``m`` rows after permutation (``m = t * k``), ``c`` rows kept under a capacity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sort_by_expert(ids_tk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Orders the T*k (token, slot) assignments by expert.
+
+    Returns:
+      ``order_m`` int32 ``[T*k]``: flat assignment index (``t * k + slot``) of each sorted row,
+        stable, so rows of one expert keep token order;
+      ``group_sizes_e`` int32 ``[E]``: rows per expert; they sum to T*k.
+    """
+    flat_m = ids_tk.reshape(-1)
+    order_m = jnp.argsort(flat_m, stable=True).astype(jnp.int32)
+    group_sizes_e = jnp.bincount(flat_m, length=num_experts).astype(jnp.int32)
+    return order_m, group_sizes_e
+
+
+def clip_group_sizes(group_sizes_e: jax.Array, capacity: int) -> jax.Array:
+    """Group sizes after keeping only the first ``capacity`` rows in expert order."""
+    ends_e = jnp.minimum(jnp.cumsum(group_sizes_e), capacity)
+    return jnp.diff(ends_e, prepend=0).astype(jnp.int32)
+
+
+def dispatch(
+    x_th: jax.Array, ids_tk: jax.Array, num_experts: int, *, capacity: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gathers token rows into expert order.
+
+    Args:
+      x_th: ``[T, H]`` tokens.
+      ids_tk: int32 ``[T, k]`` chosen experts.
+      num_experts: E.
+      capacity: keep at most this many rows (in expert order; the rest are dropped), or None
+        to keep all T*k.
+
+    Returns:
+      ``(x_ch [C, H], group_sizes_e [E], order_m [T*k])`` with ``C = min(capacity, T*k)``:
+      row ``i`` of ``x_ch`` is token ``order_m[i] // k``; rows of expert ``e`` are contiguous.
+    """
+    top_k = ids_tk.shape[1]
+    order_m, group_sizes_e = sort_by_expert(ids_tk, num_experts)
+    kept = order_m.shape[0] if capacity is None else min(capacity, order_m.shape[0])
+    if kept < order_m.shape[0]:
+        group_sizes_e = clip_group_sizes(group_sizes_e, kept)
+    return x_th[order_m[:kept] // top_k], group_sizes_e, order_m
+
+
+def combine(y_ch: jax.Array, order_m: jax.Array, weights_tk: jax.Array) -> jax.Array:
+    """Inverse of :func:`dispatch` plus the weighted sum over the k slots.
+
+    Rows dropped by a capacity contribute zero. A gather (not a one-hot matmul) puts rows
+    back, so a non-finite row reaches only its own token. Returns float32 ``[T, H]``.
+    """
+    t, k = weights_tk.shape
+    kept = y_ch.shape[0]
+    position_m = jnp.argsort(order_m).astype(jnp.int32)  # sorted position of each assignment
+    y_tkh = y_ch[jnp.minimum(position_m, kept - 1)].reshape(t, k, -1).astype(jnp.float32)
+    if kept < order_m.shape[0]:
+        y_tkh = jnp.where((position_m < kept).reshape(t, k, 1), y_tkh, 0.0)
+    return jnp.einsum("tk,tkh->th", weights_tk.astype(jnp.float32), y_tkh)

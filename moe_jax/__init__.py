@@ -11,12 +11,13 @@ from moe_jax.experts import EXPERT_GEMM
 from moe_jax.layer import (
     check_params, init_params, moe_forward, param_shapes, quantize_params, reference_forward,
 )
+from moe_jax.module import MoE
 from moe_jax.nvfp4 import NVFP4Tensor
 from moe_jax.registry import Implementation, Registry, Target
 from moe_jax.resolve import Plan, ResolutionError, resolve
 
 __all__ = [
-    "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoEConfig", "NVFP4Tensor", "Plan", "Registry",
+    "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan", "Registry",
     "ResolutionError", "Target", "check_params", "init_params", "moe_forward", "nvfp4",
     "param_shapes", "quantize_params", "reference_forward", "resolve", "router",
 ]

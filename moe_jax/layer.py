@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import nvfp4, router
@@ -29,6 +29,9 @@ from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
 from moe_jax.experts import EXPERT_GEMM, dense_weight, swiglu
 from moe_jax.resolve import Plan, resolve
+from sharding.mesh import (
+    EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, TOKENS, expert_parallel_rules, logical_to_spec, shard_tree, tree_specs,
+)
 
 Params = dict
 
@@ -98,7 +101,8 @@ def check_params(params: Params, config: MoEConfig) -> None:
             quantized = group != "router" and config.weight_format == "nvfp4"
             if quantized:
                 if not isinstance(w, nvfp4.NVFP4Tensor):
-                    raise ValueError(f"{where}: {type(w).__name__}, expected an NVFP4Tensor (weight_format='nvfp4')")
+                    found = f"a {w.dtype} array" if hasattr(w, "dtype") else type(w).__name__
+                    raise ValueError(f"{where}: {found}, expected an NVFP4Tensor (weight_format='nvfp4')")
                 w.validate(where)
             elif isinstance(w, nvfp4.NVFP4Tensor) or not jnp.issubdtype(w.dtype, jnp.floating):
                 raise ValueError(f"{where}: {getattr(w, 'dtype', type(w).__name__)}, expected a float array")
@@ -141,17 +145,13 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     if "shared" in params:
         y_th = y_th + _dense_mlp(x_th.astype(dtype), params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], dtype)
 
-    scores_te = router.expert_scores(logits_te, config)
-    counts_e = jnp.bincount(ids_tk.reshape(-1), length=config.num_experts)
-    prob_sum_e = jnp.sum(jnp.where(valid_t[:, None], scores_te / jnp.sum(scores_te, -1, keepdims=True), 0), 0)
-    num_valid = jnp.sum(valid_t)
+    sums = router.load_statistics(router.expert_scores(logits_te, config), ids_tk, valid_t, config.num_experts)
     if axis_names:
-        counts_e, prob_sum_e, num_valid, dropped = jax.lax.psum((counts_e, prob_sum_e, num_valid, dropped), axis_names)
-    num_valid = jnp.maximum(num_valid, 1)
+        sums, dropped = jax.lax.psum((sums, dropped), axis_names)
+    counts_e, prob_sum_e, num_valid = sums
     stats = {
-        "tokens_per_expert": counts_e.astype(jnp.int32),
-        "load_balance_loss": config.num_experts
-        * jnp.sum(counts_e / (num_valid * config.top_k) * prob_sum_e / num_valid),
+        "tokens_per_expert": counts_e,
+        "load_balance_loss": router.load_balance_loss(counts_e, prob_sum_e, num_valid, config.top_k),
         "dropped": dropped.astype(jnp.int32),
     }
     return y_th.astype(dtype), stats
@@ -196,20 +196,79 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
     return y_th.reshape(*lead, config.hidden_size), stats
 
 
+def param_logical_axes(params: Params) -> dict:
+    """The logical axes of every parameter (see :mod:`sharding.mesh`), in ``params``' layout.
+
+    One annotation per parameter, covering every array of an NVFP4 tensor. The stacked
+    gate/up rows get no logical axis: a contiguous split of ``[gate | up]`` would not be a
+    tensor-parallel split of the intermediate dimension.
+    """
+    experts = {"w_gate_up_egh": (EXPERTS, None, HIDDEN), "w_down_ehf": (EXPERTS, HIDDEN, EXPERT_INTERMEDIATE)}
+    shared = {"w_gate_up_gh": (None, HIDDEN), "w_down_hs": (HIDDEN, None)}
+    table = {"router": {"w_eh": (None, HIDDEN), "bias_e": (None,)}, "experts": experts, "shared": shared}
+    return {group: {name: table[group][name] for name in leaves} for group, leaves in params.items()}
+
+
+def _layer_rules(plan: Plan, mesh: Mesh) -> dict:
+    """Experts over the expert axis; tokens over every mesh axis (the expert axis doubles as
+    a data axis); no tensor parallelism (the layer does not split the intermediate)."""
+    return expert_parallel_rules(mesh, expert_axis=plan.config.expert_axis)
+
+
+def _plan_mesh(plan: Plan) -> Mesh:
+    if not isinstance(plan, Plan) or not isinstance(plan.mesh, Mesh):
+        found = type(plan).__name__ if not isinstance(plan, Plan) else f"a plan with mesh {plan.mesh!r}"
+        raise ValueError(f"plan: {found}, expected a Plan resolved for a jax.sharding.Mesh (moe_jax.resolve(config, mesh))")
+    return plan.mesh
+
+
+def param_shardings(params: Params, plan: Plan) -> dict:
+    """The ``NamedSharding`` of every parameter array under ``plan``'s mesh (for ``jax.jit``'s
+    ``in_shardings``, or ``jax.device_put``)."""
+    mesh = _plan_mesh(plan)
+    specs = tree_specs(params, param_logical_axes(params), _layer_rules(plan, mesh), mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def shard_params(params: Params, plan: Plan) -> Params:
+    """Places ``params`` on ``plan``'s mesh as the layer reads them: expert weights split over
+    the expert axis (each device holds ``1 / expert_parallel`` of them), the rest replicated.
+
+    Raises:
+      ValueError: ``plan`` has no ``Mesh``, an expert count the expert axis does not divide,
+        or a parameter that did not land with its declared sharding.
+    """
+    check_params(params, plan.config)
+    mesh = _plan_mesh(plan)
+    return shard_tree(params, param_logical_axes(params), _layer_rules(plan, mesh), mesh)
+
+
+def _to_specs(mesh: Mesh, tree, specs):
+    """Reshards ``tree`` to ``specs`` where the mesh's sharding is explicit in types;
+    ``shard_map`` reshards inputs itself over ``Auto`` axes."""
+    types = set(mesh.axis_types)
+    if types == {AxisType.Auto}:
+        return tree
+    if types == {AxisType.Explicit}:
+        return jax.tree.map(lambda leaf, spec: jax.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
+    raise ValueError(f"plan.mesh: axis types {mesh.axis_types}, expected all Auto or all Explicit")
+
+
 def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
-    """Tokens split over every mesh axis (the expert axis doubles as a data axis), experts
-    split over the expert axis, everything else replicated."""
+    """The layer under ``shard_map``: tokens split over every mesh axis (padded to a multiple
+    of the device count; padding tokens route nowhere), expert weights over the expert
+    axis (:func:`param_logical_axes`), everything else replicated; the exchange moves rows
+    between the devices of the expert axis."""
     config = plan.config
     axes = tuple(mesh.axis_names)
+    rules = _layer_rules(plan, mesh)
     num_tokens = x_th.shape[0]
     padded = -(-num_tokens // mesh.size) * mesh.size
     valid_t = jnp.arange(padded) < num_tokens
     x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
-    token_spec = P(axes)
-    param_specs = {
-        group: jax.tree.map(lambda _: P(config.expert_axis) if group == "experts" else P(), leaves)
-        for group, leaves in params.items()
-    }
+    token_spec = logical_to_spec((TOKENS,), (padded,), rules, mesh, name="x")
+    param_specs = tree_specs(params, param_logical_axes(params), rules, mesh)
+    params, x_th, valid_t = _to_specs(mesh, (params, x_th, valid_t), (param_specs, token_spec, token_spec))
     body = functools.partial(_local_forward, plan=plan, axis_names=axes)
     y_th, stats = jax.shard_map(
         body,
@@ -217,7 +276,10 @@ def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
         in_specs=(param_specs, token_spec, token_spec),
         out_specs=(token_spec, P()),
     )(params, x_th, valid_t)
-    return y_th[:num_tokens], stats
+    if padded == num_tokens:
+        return y_th, stats
+    # Under explicit sharding an uneven token count cannot stay split: replicate, then trim.
+    return _to_specs(mesh, y_th, P())[:num_tokens], stats
 
 
 def reference_forward(params: Params, x: np.ndarray, config: MoEConfig) -> np.ndarray:

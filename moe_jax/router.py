@@ -78,15 +78,28 @@ def _keep_best_groups(choice_te: jax.Array, num_groups: int, topk_groups: int) -
     return jnp.where(keep_tg[:, :, None], choice_tgx, -jnp.inf).reshape(t, e)
 
 
-def load_balance_loss(scores_te: jax.Array, ids_tk: jax.Array, num_experts: int) -> jax.Array:
-    """Switch-Transformer auxiliary loss ``E * sum_e f_e * p_e`` (1.0 when perfectly balanced).
+def load_statistics(scores_te: jax.Array, ids_tk: jax.Array, valid_t: jax.Array, num_experts: int):
+    """Sums that the load-balance loss needs; additive over tokens, so they can be psum'd.
 
-    ``f_e`` is the fraction of the T*k assignments that went to expert e, ``p_e`` the mean over
-    tokens of the scores normalized to sum to one per token.
+    Returns ``(counts_e int32 [E], prob_sum_e float32 [E], num_tokens int32 [])``: assignments
+    per expert, per-token-normalized scores summed over the valid tokens, and how many tokens
+    were valid. Ids equal to ``num_experts`` (routed nowhere) are not counted.
     """
-    f_e = jnp.bincount(ids_tk.reshape(-1), length=num_experts) / ids_tk.size
+    counts_e = jnp.bincount(ids_tk.reshape(-1), length=num_experts).astype(jnp.int32)
     probs_te = scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
-    return num_experts * jnp.sum(f_e * jnp.mean(probs_te, axis=0))
+    prob_sum_e = jnp.sum(jnp.where(valid_t[:, None], probs_te, 0.0), axis=0)
+    return counts_e, prob_sum_e, jnp.sum(valid_t).astype(jnp.int32)
+
+
+def load_balance_loss(counts_e: jax.Array, prob_sum_e: jax.Array, num_tokens: jax.Array, top_k: int) -> jax.Array:
+    """Switch-Transformer auxiliary loss ``E * sum_e f_e * p_e``; 1.0 when perfectly balanced.
+
+    ``f_e = counts_e / (T * k)`` is the fraction of assignments that went to expert e and
+    ``p_e = prob_sum_e / T`` its mean normalized score, from :func:`load_statistics`.
+    """
+    num_tokens = jnp.maximum(num_tokens, 1)
+    f_e = counts_e / (num_tokens * top_k)
+    return counts_e.shape[0] * jnp.sum(f_e * prob_sum_e / num_tokens)
 
 
 def _check_logits(logits_te: jax.Array, config: MoEConfig) -> tuple[int, int]:

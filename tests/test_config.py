@@ -1,0 +1,97 @@
+"""MoEConfig: validation, presets, hashability, and the registry-derived allowed values."""
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig
+from moe_jax.config import ActivationDtype, Scoring, WeightFormat
+
+SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
+
+
+def test_presets_carry_the_published_numbers():
+    # From each model's config.json (moonshotai/Kimi-K2-Instruct, deepseek-ai/DeepSeek-V3,
+    # mistralai/Mixtral-8x7B-v0.1).
+    kimi = MoEConfig.kimi_k2()
+    assert (kimi.num_experts, kimi.top_k, kimi.hidden_size, kimi.expert_intermediate_size) == (384, 8, 7168, 2048)
+    assert (kimi.num_shared_experts, kimi.scoring, kimi.num_groups, kimi.topk_groups) == (1, "sigmoid", 1, 1)
+    assert (kimi.normalize, kimi.routed_scaling_factor, kimi.router_bias) == (True, 2.827, True)
+    ds = MoEConfig.deepseek_v3()
+    assert (ds.num_experts, ds.top_k, ds.num_groups, ds.topk_groups, ds.routed_scaling_factor) == (256, 8, 8, 4, 2.5)
+    assert (ds.hidden_size, ds.expert_intermediate_size, ds.num_shared_experts, ds.shared_size) == (7168, 2048, 1, 2048)
+    mx = MoEConfig.mixtral_8x7b()
+    assert (mx.num_experts, mx.top_k, mx.hidden_size, mx.expert_intermediate_size) == (8, 2, 4096, 14336)
+    assert (mx.scoring, mx.num_shared_experts, mx.shared_size) == ("softmax", 0, 0)
+    assert set(MoEConfig.PRESETS) == {"kimi_k2", "deepseek_v3", "mixtral_8x7b"}
+
+
+def test_frozen_keyword_only_and_hashable_as_a_static_jit_argument():
+    cfg = MoEConfig(**SMALL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.top_k = 3
+    with pytest.raises(TypeError):
+        MoEConfig(8, 2, 32, 16)
+    assert hash(cfg) == hash(MoEConfig(**SMALL))
+    f = jax.jit(lambda x, c: x * c.top_k, static_argnums=1)
+    assert float(f(jnp.float32(2), cfg)) == 4.0
+
+
+@pytest.mark.parametrize(
+    "overrides, field, rule",
+    [
+        (dict(num_experts=0), "num_experts", "int >= 1"),
+        (dict(top_k=9), "top_k", "<= num_experts = 8"),
+        (dict(hidden_size=32.0), "hidden_size", "int >= 1"),
+        (dict(num_shared_experts=-1), "num_shared_experts", "int >= 0"),
+        (dict(shared_intermediate_size=64), "shared_intermediate_size", "needs num_shared_experts >= 1"),
+        (dict(scoring="relu"), "scoring", "one of 'softmax', 'sigmoid'"),
+        (dict(num_groups=3), "num_groups", "must divide num_experts = 8"),
+        (dict(num_groups=8), "num_groups", ">= 2 experts per group"),
+        (dict(num_groups=4, topk_groups=5), "topk_groups", "<= num_groups = 4"),
+        (dict(num_groups=4, topk_groups=1, top_k=3), "top_k", "<= topk_groups \\* experts per group = 2"),
+        (dict(normalize=1), "normalize", "must be a bool"),
+        (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor", "finite number > 0"),
+        (dict(routed_scaling_factor=0.0), "routed_scaling_factor", "finite number > 0"),
+        (dict(weight_format="int4"), "weight_format", "one of 'bf16', 'nvfp4'"),
+        (dict(weight_format="nvfp4", hidden_size=40), "hidden_size", "multiple of 16 for NVFP4"),
+        (dict(dtype="float16"), "dtype", "one of 'bfloat16', 'float32'"),
+        (dict(expert_gemm="cutlass"), "expert_gemm", "must be one of 'auto'"),
+        (dict(exchange="nccl"), "exchange", "must be one of 'auto'"),
+        (dict(expert_axis=""), "expert_axis", "non-empty mesh axis name"),
+        (dict(capacity_factor=-1.0), "capacity_factor", "None \\(dropless\\) or a finite number > 0"),
+    ],
+)
+def test_invalid_values_name_the_field_the_value_and_the_rule(overrides, field, rule):
+    with pytest.raises(ValueError, match=rf"MoEConfig\.{field} = .*: .*{rule}"):
+        MoEConfig(**{**SMALL, **overrides})
+
+
+def test_replace_revalidates():
+    cfg = MoEConfig(**SMALL)
+    with pytest.raises(ValueError, match="MoEConfig.top_k"):
+        dataclasses.replace(cfg, top_k=100)
+    assert dataclasses.replace(cfg, top_k=3).top_k == 3
+
+
+def test_allowed_values_are_exactly_the_registries():
+    """Schema and dispatch read one table: every registered name is accepted, nothing else is."""
+    for registry, field in ((EXPERT_GEMM, "expert_gemm"), (EXCHANGE, "exchange")):
+        for name in registry.names():
+            assert getattr(MoEConfig(**SMALL, **{field: name}), field) == name
+            assert callable(registry[name].run) and callable(registry[name].cannot_run)
+        for unregistered in ("AUTO", "Xla", "fallback", ""):
+            if unregistered not in registry.names():
+                with pytest.raises(ValueError, match=field):
+                    MoEConfig(**SMALL, **{field: unregistered})
+        with pytest.raises(KeyError, match="no implementation"):
+            registry["not-registered"]
+
+
+def test_literal_fields_list_their_values():
+    assert typing.get_args(Scoring) == ("softmax", "sigmoid")
+    assert typing.get_args(WeightFormat) == ("bf16", "nvfp4")
+    assert typing.get_args(ActivationDtype) == ("bfloat16", "float32")

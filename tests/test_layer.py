@@ -1,0 +1,171 @@
+"""The layer on the reference path against float64 oracles, plus bad input and isolation."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import moe_jax
+from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, reference_forward, resolve
+
+TINY = dict(num_experts=8, hidden_size=64, expert_intermediate_size=32)
+CONFIGS = {
+    "mixtral": MoEConfig.mixtral_8x7b(**TINY),
+    "kimi": MoEConfig.kimi_k2(**TINY, top_k=4),
+    "deepseek": MoEConfig.deepseek_v3(num_experts=16, hidden_size=64, expert_intermediate_size=32, top_k=4),
+    "qwen_like": MoEConfig(**TINY, top_k=3, normalize=False, num_shared_experts=1, shared_intermediate_size=48),
+}
+
+
+def make(config, rng, tokens=24):
+    params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
+    if config.router_bias:
+        params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
+    if config.weight_format == "nvfp4":
+        params = quantize_params(params)
+    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
+    return params, x
+
+
+def rel_err(y, ref, axis=None):
+    y = np.asarray(y, np.float64)
+    return np.linalg.norm(y - ref, axis=axis) / np.linalg.norm(ref, axis=axis)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_matches_the_float64_reference(rng, name, weight_format):
+    config = dataclasses.replace(CONFIGS[name], weight_format=weight_format)
+    params, x = make(config, rng)
+    y, stats = jax.jit(moe_forward, static_argnums=2)(params, x, resolve(config))
+    ref = reference_forward(params, np.asarray(x, np.float64), config)
+    assert y.shape == x.shape and y.dtype == jnp.bfloat16
+    # bf16 rounding of the SwiGLU output and of y: about 2^-8 relative.
+    assert rel_err(y, ref) < 1e-2
+    assert rel_err(y, ref, axis=1).max() < 3e-2  # every token, not just on average
+    assert int(stats["tokens_per_expert"].sum()) == x.shape[0] * config.top_k
+    assert int(stats["dropped"]) == 0
+    assert np.isfinite(float(stats["load_balance_loss"]))
+
+
+def test_all_tokens_on_one_expert_and_empty_experts(rng):
+    config = MoEConfig.kimi_k2(**TINY, top_k=1, weight_format="nvfp4")
+    params, x = make(config, rng, tokens=33)
+    params["router"]["bias_e"] = jnp.zeros(8).at[5].set(100.0)  # selection only: weight stays sigmoid
+    y, stats = moe_forward(params, x, resolve(config))
+    np.testing.assert_array_equal(stats["tokens_per_expert"], [0] * 5 + [33] + [0] * 2)
+    ref = reference_forward(params, np.asarray(x, np.float64), config)
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_leading_dimensions_are_kept(rng):
+    config = CONFIGS["kimi"]
+    params, _ = make(config, rng)
+    x = jnp.asarray(rng.standard_normal((2, 3, 5, 64)), jnp.bfloat16)
+    y, _ = moe_forward(params, x, resolve(config))
+    flat, _ = moe_forward(params, x.reshape(-1, 64), resolve(config))
+    assert y.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(y).reshape(-1, 64), flat)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_a_non_finite_token_changes_no_other_token(rng, poison, weight_format):
+    config = dataclasses.replace(CONFIGS["kimi"], weight_format=weight_format)
+    params, x = make(config, rng, tokens=32)
+    forward = jax.jit(moe_forward, static_argnums=2)
+    clean, _ = forward(params, x, resolve(config))
+    y, _ = forward(params, x.at[7, 3].set(poison), resolve(config))
+    others = np.arange(32) != 7
+    np.testing.assert_array_equal(np.asarray(y)[others], np.asarray(clean)[others])
+    assert np.isfinite(np.asarray(clean, np.float32)).all()
+
+
+def test_capacity_drops_are_counted(rng):
+    config = dataclasses.replace(CONFIGS["kimi"], capacity_factor=0.5)
+    params, x = make(config, rng, tokens=30)
+    _, stats = moe_forward(params, x, resolve(config))
+    assert int(stats["dropped"]) == 30 * 4 - math.ceil(0.5 * 30 * 4)
+
+
+def test_bad_input_raises_naming_the_argument(rng):
+    config = CONFIGS["kimi"]
+    params, x = make(config, rng)
+    plan = resolve(config)
+    with pytest.raises(ValueError, match=r"x: shape \(64,\), expected \[\.\.\., T, H\]"):
+        moe_forward(params, x[0], plan)
+    with pytest.raises(ValueError, match=r"x: shape \(24, 63\), expected last dimension H = config.hidden_size = 64"):
+        moe_forward(params, x[:, :63], plan)
+    with pytest.raises(ValueError, match=r"x: dtype int32, expected a floating dtype"):
+        moe_forward(params, x.astype(jnp.int32), plan)
+    broken = {**params, "experts": {**params["experts"], "w_down_ehf": params["experts"]["w_down_ehf"][:, :, :16]}}
+    with pytest.raises(ValueError, match=r"params\['experts'\]\['w_down_ehf'\]: shape \(8, 64, 16\), expected \(8, 64, 32\)"):
+        moe_forward(broken, x, plan)
+    missing = {**params, "router": {"w_eh": params["router"]["w_eh"]}}
+    with pytest.raises(ValueError, match=r"params\['router'\]\['bias_e'\]: missing"):
+        moe_forward(missing, x, plan)
+    with pytest.raises(ValueError, match=r"params\['experts'\]\['w_gate_up_egh'\]: a bfloat16 array, expected an NVFP4Tensor"):
+        moe_forward(params, x, resolve(dataclasses.replace(config, weight_format="nvfp4")))
+
+
+def dense_forward(params, x, config):
+    """Every expert on every token, weighted by a dense [T, E] combine matrix: no sorting,
+    no ragged ops; the independent oracle for gradients (float32)."""
+    logits = x @ params["router"]["w_eh"].T
+    ids, w = moe_jax.router.route(logits, config, correction_bias_e=params["router"].get("bias_e"))
+    combine_te = jnp.zeros((x.shape[0], config.num_experts)).at[jnp.arange(x.shape[0])[:, None], ids].add(w)
+    h = jnp.einsum("th,egh->teg", x, params["experts"]["w_gate_up_egh"])
+    gate, up = jnp.split(h, 2, axis=-1)
+    y_teh = jnp.einsum("tef,ehf->teh", jax.nn.silu(gate) * up, params["experts"]["w_down_ehf"])
+    return jnp.einsum("te,teh->th", combine_te, y_teh)
+
+
+def test_gradients_match_a_dense_formulation(rng):
+    config = MoEConfig.kimi_k2(**TINY, top_k=2, num_shared_experts=0, dtype="float32")
+    params, x = make(config, rng, tokens=16)
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    x = x.astype(jnp.float32)
+    probe = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    plan = resolve(config, training=True)
+
+    def loss(fn):
+        return lambda p, x: jnp.sum(fn(p, x) * probe)
+
+    grads = jax.grad(loss(lambda p, x: moe_forward(p, x, plan)[0]), argnums=(0, 1))(params, x)
+    ref = jax.grad(loss(lambda p, x: dense_forward(p, x, config)), argnums=(0, 1))(params, x)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * float(np.abs(want).max()))
+
+
+def test_nnx_module_jit_and_grad(rng):
+    config = CONFIGS["kimi"]
+    layer = moe_jax.MoE(config, rngs=nnx.Rngs(int(rng.integers(1 << 30))), training=True)
+    x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
+    y, stats = nnx.jit(lambda m, x: m(x))(layer, x)
+    y_fn, _ = moe_forward(layer.params(), x, layer.plan)
+    np.testing.assert_array_equal(y, y_fn)
+    assert set(stats) == {"tokens_per_expert", "load_balance_loss", "dropped"}
+
+    def loss(m, x):
+        y, stats = m(x)
+        return jnp.mean(y.astype(jnp.float32) ** 2) + 0.01 * stats["load_balance_loss"]
+
+    grads = nnx.grad(loss)(layer, x)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert len(leaves) == 6 and all(np.isfinite(np.asarray(g, np.float32)).all() for g in leaves)
+    assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
+
+
+def test_nnx_module_with_nvfp4_weights_keeps_them_out_of_the_gradient(rng):
+    config = dataclasses.replace(CONFIGS["kimi"], weight_format="nvfp4")
+    layer = moe_jax.MoE(config, rngs=nnx.Rngs(0), training=True)
+    assert isinstance(layer.w_gate_up_egh, moe_jax.module.QuantizedWeight)
+    x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
+    grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32)))(layer, x)
+    names = {str(path[0]) for path, _ in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
+    assert names == {"router_w_eh", "router_bias_e"}  # the shared expert is NVFP4 too

@@ -1,0 +1,96 @@
+"""Resolution: exactly one implementation per stage, explicit choices run or raise, and the
+choice is visible in the report and in the compiled HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import moe_jax
+from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
+from moe_jax.resolve import compute_capability
+
+SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
+RTX_PRO_6000 = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+
+
+def abstract_mesh(kind, ep=1, platform="cuda"):
+    device = AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
+    return AbstractMesh((ep,), ("expert",), abstract_device=device)
+
+
+def test_auto_on_cpu_picks_one_implementation_per_stage_and_says_why():
+    plan = resolve(MoEConfig(**SMALL))
+    assert plan.target.platform == "cpu" and plan.target.compute_capability is None
+    assert plan.expert_gemm in EXPERT_GEMM.names() and plan.exchange == "none"
+    report = plan.report
+    assert f"expert_gemm: {plan.expert_gemm}  (requested 'auto'" in report
+    assert "exchange: none  (requested 'auto'; auto: the expert axis has one device" in report
+    # Every other registered implementation is listed with its reason.
+    for registry in (EXPERT_GEMM, EXCHANGE):
+        for name in registry.names():
+            if name != plan.chosen(registry.stage):
+                assert re.search(rf"not {name}: \S", report), (name, report)
+
+
+def test_an_explicit_choice_that_cannot_run_raises_with_its_reason(cpu_devices):
+    mesh = jax.make_mesh((2,), ("expert",), devices=cpu_devices[:2])
+    with pytest.raises(ResolutionError, match="MoEConfig.exchange = 'none' cannot run on .*: the expert axis has 2 devices"):
+        resolve(MoEConfig(**SMALL, exchange="none"), mesh)
+
+
+def test_every_implementation_that_can_run_here_runs_when_asked_and_is_stamped_in_the_hlo(rng):
+    """For each registered expert GEMM that can run on this machine, an explicit choice
+    resolves to it and the compiled HLO carries its named scope (and no other's)."""
+    ran = []
+    for name in EXPERT_GEMM.names():
+        cfg = MoEConfig(**SMALL, expert_gemm=name)
+        try:
+            plan = resolve(cfg)
+        except ResolutionError as err:
+            assert EXPERT_GEMM[name].cannot_run(moe_jax.resolve(MoEConfig(**SMALL)).target, cfg) in str(err)
+            continue
+        params = moe_jax.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+        x = jnp.asarray(rng.standard_normal((6, 32)), jnp.bfloat16)
+        hlo = jax.jit(moe_jax.moe_forward, static_argnums=2).lower(params, x, plan).compile().as_text()
+        scopes = set(re.findall(r"moe_jax\.expert_gemm\.[a-z_0-9]+", hlo))
+        assert scopes == {f"moe_jax.expert_gemm.{name}"}, scopes
+        assert "moe_jax.exchange.none" in hlo
+        ran.append(name)
+    assert "xla" in ran
+
+
+def test_resolves_for_an_rtx_pro_6000_without_one():
+    plan = resolve(MoEConfig.kimi_k2(weight_format="nvfp4"), abstract_mesh(RTX_PRO_6000, ep=1))
+    assert plan.target.platform == "cuda" and plan.target.compute_capability == 120
+    assert plan.target.expert_parallel == 1
+    assert "SM120" in plan.report
+
+
+@pytest.mark.parametrize(
+    "kind, reported, cc",
+    [(RTX_PRO_6000, None, 120), ("NVIDIA H200", None, 90), ("NVIDIA B200", None, 100),
+     ("NVIDIA A100-SXM4-80GB", None, 80), ("NVIDIA L40S", None, 89), ("anything", "12.0", 120),
+     ("NVIDIA H100 80GB HBM3", "9.0", 90), ("Unknown accelerator", None, None)],
+)
+def test_compute_capability(kind, reported, cc):
+    assert compute_capability(kind, reported) == cc
+
+
+def test_mesh_errors_name_what_is_wrong(cpu_devices):
+    no_expert_axis = jax.make_mesh((2,), ("data",), devices=cpu_devices[:2])
+    with pytest.raises(ResolutionError, match=r"no expert axis 'expert'"):
+        resolve(MoEConfig(**SMALL), no_expert_axis)
+    three = jax.make_mesh((3,), ("expert",), devices=cpu_devices[:3])
+    with pytest.raises(ResolutionError, match=r"3 devices, which does not divide num_experts = 8"):
+        resolve(MoEConfig(**SMALL), three)
+    with pytest.raises(ResolutionError, match=r"2 devices without a mesh"):
+        resolve(MoEConfig(**SMALL), cpu_devices[:2])
+
+
+def test_plan_is_hashable_and_static():
+    plan = resolve(MoEConfig(**SMALL))
+    assert hash(plan) == hash(resolve(MoEConfig(**SMALL)))
+    assert str(plan) == plan.report

@@ -1,0 +1,152 @@
+"""Routing against independent float64 numpy implementations of the published rules.
+
+* Mixtral (HF MixtralSparseMoeBlock): softmax over all experts, top-k, renormalize.
+* DeepSeek-V3 / Kimi K2 (DeepSeek's inference code): sigmoid scores, bias for selection,
+  groups scored by the sum of their top-2 biased scores, weights from unbiased scores,
+  normalized, times routed_scaling_factor.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import MoEConfig, router
+
+
+def mixtral_route_np(logits, k, normalize=True):
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, -1)
+    if normalize:
+        w = w / w.sum(-1, keepdims=True)
+    return ids, w
+
+
+def deepseek_route_np(logits, bias, k, n_group, topk_group, scaling, normalize=True):
+    scores = 1 / (1 + np.exp(-logits))
+    choice = scores + bias[None]
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)
+    group_scores = np.sort(grouped, -1)[:, :, -2:].sum(-1)
+    ids = np.zeros((t, k), np.int64)
+    for i in range(t):
+        best = np.argsort(-group_scores[i], kind="stable")[:topk_group]
+        masked = np.full((n_group, e // n_group), -np.inf)
+        masked[best] = grouped[i, best]
+        ids[i] = np.argsort(-masked.reshape(-1), kind="stable")[:k]
+    w = np.take_along_axis(scores, ids, -1)
+    if normalize:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return ids, w * scaling
+
+
+def assert_same_routing(ids, w, ref_ids, ref_w):
+    # Selection order may differ within equal scores only; compare as sets plus weights.
+    order = np.argsort(ids, -1)
+    ref_order = np.argsort(ref_ids, -1)
+    np.testing.assert_array_equal(np.take_along_axis(ids, order, -1), np.take_along_axis(ref_ids, ref_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(w, order, -1), np.take_along_axis(ref_w, ref_order, -1), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (8, 1), (64, 6)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_matches_mixtral(rng, num_experts, top_k, normalize):
+    cfg = MoEConfig(num_experts=num_experts, top_k=top_k, hidden_size=16, expert_intermediate_size=16,
+                    scoring="softmax", normalize=normalize)
+    logits = rng.standard_normal((97, num_experts)) * 3
+    ids, w = router.route(jnp.asarray(logits, jnp.float32), cfg)
+    assert ids.dtype == jnp.int32 and w.dtype == jnp.float32 and ids.shape == (97, top_k)
+    assert_same_routing(np.asarray(ids), np.asarray(w), *mixtral_route_np(logits.astype(np.float32), top_k, normalize))
+
+
+@pytest.mark.parametrize("preset", ["kimi_k2", "deepseek_v3"])
+def test_sigmoid_matches_deepseek_rule(rng, preset):
+    cfg = getattr(MoEConfig, preset)()
+    logits = rng.standard_normal((64, cfg.num_experts)).astype(np.float32) * 2
+    bias = (rng.standard_normal(cfg.num_experts) * 0.5).astype(np.float32)
+    ids, w = router.route(jnp.asarray(logits), cfg, correction_bias_e=jnp.asarray(bias))
+    ref = deepseek_route_np(logits.astype(np.float64), bias.astype(np.float64), cfg.top_k, cfg.num_groups,
+                            cfg.topk_groups, cfg.routed_scaling_factor)
+    assert_same_routing(np.asarray(ids), np.asarray(w), *ref)
+
+
+def test_group_limit_excludes_experts_outside_the_best_groups(rng):
+    cfg = MoEConfig.deepseek_v3(num_experts=32, top_k=4)  # 8 groups of 4, best 4 groups
+    logits = rng.standard_normal((200, 32)).astype(np.float32)
+    ids = np.asarray(router.route(jnp.asarray(logits), cfg)[0])
+    groups_used = {len(set(row // 4)) for row in ids}
+    assert max(groups_used) <= 4
+    # Without the limit some token would have used a fifth group.
+    free = dataclasses.replace(cfg, num_groups=1, topk_groups=1)
+    free_ids = np.asarray(router.route(jnp.asarray(logits), free)[0])
+    assert (free_ids != ids).any()
+
+
+def test_bias_changes_selection_but_not_the_weights(rng):
+    cfg = MoEConfig.kimi_k2(num_experts=16, normalize=False, routed_scaling_factor=1.0)
+    logits = rng.standard_normal((50, 16)).astype(np.float32)
+    bias = np.zeros(16, np.float32)
+    bias[3] = 10.0  # expert 3 always selected...
+    ids, w = router.route(jnp.asarray(logits), cfg, correction_bias_e=jnp.asarray(bias))
+    ids, w = np.asarray(ids), np.asarray(w)
+    assert (ids == 3).any(axis=1).all()
+    # ...but weighted by its unbiased sigmoid score.
+    slot = np.argmax(ids == 3, axis=1)
+    np.testing.assert_allclose(w[np.arange(50), slot], 1 / (1 + np.exp(-logits[:, 3])), rtol=1e-6)
+
+
+def test_ties_are_broken_toward_the_lower_index():
+    cfg = MoEConfig.deepseek_v3(num_experts=16, top_k=3, num_groups=4, topk_groups=2)
+    ids = np.asarray(router.route(jnp.zeros((5, 16)), cfg)[0])  # every score equal
+    np.testing.assert_array_equal(ids, np.tile([0, 1, 2], (5, 1)))
+    ids2 = np.asarray(router.route(jnp.zeros((5, 16)), cfg)[0])
+    np.testing.assert_array_equal(ids, ids2)
+
+
+def test_scaling_and_normalization(rng):
+    cfg = MoEConfig.kimi_k2(num_experts=32)
+    w = np.asarray(router.route(jnp.asarray(rng.standard_normal((10, 32)), jnp.float32), cfg)[1])
+    np.testing.assert_allclose(w.sum(-1), 2.827, rtol=1e-5)
+
+
+def test_a_nan_token_does_not_disturb_the_others(rng):
+    cfg = MoEConfig.kimi_k2(num_experts=32)
+    logits = rng.standard_normal((8, 32)).astype(np.float32)
+    ids, w = router.route(jnp.asarray(logits), cfg)
+    logits[2] = np.nan
+    ids_nan, w_nan = router.route(jnp.asarray(logits), cfg)
+    keep = np.arange(8) != 2
+    np.testing.assert_array_equal(np.asarray(ids_nan)[keep], np.asarray(ids)[keep])
+    np.testing.assert_array_equal(np.asarray(w_nan)[keep], np.asarray(w)[keep])
+    assert ((np.asarray(ids_nan) >= 0) & (np.asarray(ids_nan) < 32)).all()  # ids stay valid
+
+
+def test_bad_input_names_the_argument():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=16, expert_intermediate_size=16)
+    with pytest.raises(ValueError, match=r"logits_te: rank 1"):
+        router.route(jnp.zeros(8), cfg)
+    with pytest.raises(ValueError, match=r"logits_te: 7 experts .* expected config.num_experts = 8"):
+        router.route(jnp.zeros((4, 7)), cfg)
+    with pytest.raises(ValueError, match=r"logits_te: dtype int32"):
+        router.route(jnp.zeros((4, 8), jnp.int32), cfg)
+    with pytest.raises(ValueError, match=r"correction_bias_e: shape \(7,\), expected \(8,\)"):
+        router.route(jnp.zeros((4, 8)), cfg, correction_bias_e=jnp.zeros(7))
+
+
+def test_load_balance_loss_is_one_when_balanced_and_k_when_collapsed():
+    valid = jnp.ones(16, bool)
+    balanced = jnp.asarray(np.arange(64).reshape(16, 4) % 8)
+    sums = router.load_statistics(jnp.ones((16, 8)), balanced, valid, 8)
+    assert float(router.load_balance_loss(*sums, top_k=4)) == pytest.approx(1.0)
+    # Every token on experts 0..3 with all its probability there: E * 4 * (1/4 * 1/4) = 2.
+    collapsed = jnp.tile(jnp.arange(4), (16, 1))
+    scores = jnp.concatenate([jnp.ones((16, 4)), jnp.zeros((16, 4))], axis=1)
+    sums = router.load_statistics(scores, collapsed, valid, 8)
+    np.testing.assert_array_equal(sums[0], [16] * 4 + [0] * 4)
+    assert float(router.load_balance_loss(*sums, top_k=4)) == pytest.approx(2.0)
+    # Padding tokens (id E, invalid) are not counted.
+    sums = router.load_statistics(jnp.ones((2, 8)), jnp.asarray([[0], [8]]), jnp.asarray([True, False]), 8)
+    assert int(sums[0].sum()) == 1 and int(sums[2]) == 1

@@ -1,0 +1,90 @@
+"""Cross-compiles every tile configuration of one capability's table row, without a GPU.
+
+Used by CI (``tests/pallas_kernels/test_crosscompile.py``) as the proof that the SM100/SM120
+rows fit those chips, and by ``benchmarks/sm_crosscompile.py`` to record registers and shared
+memory. Each configuration is lowered at a Kimi K2 shape (48 experts, hidden 7168, expert
+intermediate 2048) through the public entry, so the kernel compiled is the one a caller gets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import crosscompile
+from pallas_kernels.grouped_matmul import run
+from pallas_kernels.grouped_matmul.tuning import (
+    SHARED_MEMORY_BYTES,
+    TILE_TABLE,
+    Key,
+    Op,
+    Variant,
+    WeightFormat,
+)
+
+EXPERTS, HIDDEN, INTERMEDIATE = 48, 7168, 2048
+ROWS = {Variant.DECODE: 128, Variant.PREFILL: 8192}
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    capability: int
+    variant: str
+    weights: str
+    op: str
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    target: str
+    shared_bytes: int
+    shared_limit: int
+    registers: int
+    spill_bytes: int
+    mma: tuple[str, ...]
+
+
+def _abstract_weights(weights: WeightFormat, n: int, k: int):
+    shape = jax.ShapeDtypeStruct
+    match weights:
+        case WeightFormat.BF16:
+            return shape((EXPERTS, n, k), jnp.bfloat16)
+        case WeightFormat.NVFP4:
+            return (shape((EXPERTS, n, k // 2), jnp.uint8), shape((EXPERTS, n, k // 16), jnp.float8_e4m3fn),
+                    shape((EXPERTS,), jnp.float32))
+    raise AssertionError(weights)
+
+
+def compile_config(capability: int, key: Key) -> Record:
+    """Lowers and compiles the kernel the table row of ``capability`` holds for ``key``."""
+    variant, weights, op = key
+    config = TILE_TABLE[capability][key]
+    m, k, n = ROWS[variant], HIDDEN, 2 * INTERMEDIATE  # gate_up: N = 2F for both ops.
+
+    def fn(x, w, group_sizes):
+        if isinstance(w, tuple):
+            w = types.SimpleNamespace(packed=w[0], scales=w[1], global_scale=w[2])
+        return run(op, x, w, group_sizes, compute_capability=capability, config=config, variant=variant)
+
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), _abstract_weights(weights, n, k),
+            jax.ShapeDtypeStruct((EXPERTS,), jnp.int32))
+    [module] = crosscompile.triton_modules(fn, *args, capability=capability)
+    kernel = crosscompile.compile_ttir(module, capability)
+    return Record(
+        capability=capability, variant=variant.value, weights=weights.value, op=op.value,
+        block_m=config.block_m, block_n=config.block_n, block_k=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, target=kernel.target, shared_bytes=kernel.shared_bytes,
+        shared_limit=SHARED_MEMORY_BYTES[capability], registers=kernel.registers, spill_bytes=kernel.spill_bytes,
+        mma=kernel.mma_instructions,
+    )
+
+
+def table_keys(capability: int) -> list[Key]:
+    return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
+
+
+__all__ = ["Record", "compile_config", "table_keys", "Op"]

@@ -1,0 +1,63 @@
+"""Float64 NumPy reference for the grouped matmul kernels (exact NVFP4 dequantization).
+
+Shapes follow the kernels': ``x_mk [M, K]``, weights ``[E, N, K]`` (out, in), ``group_sizes_e
+[E]`` with the rows of expert ``e`` contiguous and in expert order. Only the first
+``min(sum(group_sizes_e), M)`` rows are defined; the functions return just those rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: The value of each E2M1 code 0..15; bit 3 is the sign.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+BLOCK = 16
+
+
+def dequantize(packed_enj, scales_enb, global_scale_e) -> np.ndarray:
+    """NVFP4 in ModelOpt's layout -> float64 ``[E, N, K]``, exactly.
+
+    Args:
+      packed_enj: uint8 ``[E, N, K/2]``, element ``2i`` in the low nibble of byte ``i``.
+      scales_enb: float8_e4m3fn ``[E, N, K/16]``.
+      global_scale_e: float32 ``[E]``.
+    """
+    packed = np.asarray(packed_enj)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    values = E2M1_VALUES[codes]
+    e, n, k = values.shape
+    scales = np.asarray(scales_enb).astype(np.float64) * np.asarray(global_scale_e, np.float64)[:, None, None]
+    return (values.reshape(e, n, k // BLOCK, BLOCK) * scales[..., None]).reshape(e, n, k)
+
+
+def dense_weights(w) -> np.ndarray:
+    """A bf16 ``[E, N, K]`` array, or any object with ``.packed/.scales/.global_scale``, as float64."""
+    if hasattr(w, "packed"):
+        return dequantize(w.packed, w.scales, w.global_scale)
+    return np.asarray(w).astype(np.float64)
+
+
+def valid_rows(group_sizes_e, num_rows: int) -> int:
+    """The number of leading rows whose output is defined."""
+    return int(min(int(np.maximum(np.asarray(group_sizes_e), 0).sum()), num_rows))
+
+
+def grouped_matmul(x_mk, w, group_sizes_e) -> np.ndarray:
+    """float64 ``[S, N]``: row ``m`` of expert ``e`` times ``W_e^T``, for the ``S`` defined rows."""
+    x = np.asarray(x_mk).astype(np.float64)
+    w_enk = dense_weights(w)
+    rows = valid_rows(group_sizes_e, x.shape[0])
+    out = np.zeros((rows, w_enk.shape[1]))
+    start = 0
+    for e, size in enumerate(np.maximum(np.asarray(group_sizes_e), 0)):
+        end = min(start + int(size), rows)
+        out[start:end] = x[start:end] @ w_enk[e].T
+        start = end
+    return out
+
+
+def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e) -> np.ndarray:
+    """float64 ``[S, F]``: ``silu(x W_gate^T) * (x W_up^T)`` with ``W_gate_up = [gate; up]``."""
+    h = grouped_matmul(x_mk, w_gate_up, group_sizes_e)
+    gate, up = np.split(h, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up

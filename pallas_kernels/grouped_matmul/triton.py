@@ -1,0 +1,358 @@
+"""Pallas-Triton grouped matmul kernels: bf16 or NVFP4 weights, optional fused SwiGLU.
+
+Dimension letters: ``m`` rows (tokens), ``k`` reduction, ``n`` output columns, ``e`` experts,
+``t`` row tiles, ``f`` the fused op's output columns (``n = 2f``: gate rows, then up rows).
+
+Work split. The rows of expert ``e`` are cut into tiles of ``block_m`` rows that start at the
+expert's first row (:func:`tile_schedule`, plain XLA ops on ``group_sizes_e``); a tile never
+straddles two experts, so each tile reads one expert's weights and a masked store writes only
+its own rows (padding rows are never written). The 1-D grid covers ``(max_tiles, n_tiles)``;
+programs whose tile slot is unused (there are fewer tiles than the static bound) return at once.
+
+Orientation (``KernelSpec.swap_ab``). Swap-AB makes the weight tile the MMA's M operand and the
+token rows its N operand: decode uses it (16 token rows still feed 64-row wgmma), and NVFP4 uses
+it always, so the dequantized tile goes from registers straight into the MMA (wgmma with A in
+registers on SM90, mma.sync on SM80/SM89/SM120) in :attr:`Order.FRAGMENT` column order. bf16
+prefill uses the usual ``x @ W^T`` with both operands staged in shared memory.
+
+NVFP4 dequantization inside the K loop (:class:`Dequant`):
+
+* ``PTX`` places each E2M1 code's bits straight into a bf16's sign, exponent and mantissa
+  fields (Marlin's trick; inline PTX on four packed bytes at a time), which gives
+  ``value * 2**-126``; the block scale, converted to bf16 with ``2**119`` folded in, multiplies
+  it to ``value * scale * 2**-7``, which bf16 holds exactly (at most 6 significant bits, far
+  from both ends of the range); the epilogue multiplies by ``global_scale * 2**7`` in fp32.
+  Code 1 (0.5) becomes a bf16 subnormal, which the GPU's bf16 multiply keeps (PTX has no
+  flush-to-zero for bf16), but XLA:CPU would flush.
+* ``EXACT`` computes the same bf16 operand with normal floats only (selects for the
+  subnormal codes); it is what interpret mode runs, and a GPU test checks both agree bit
+  for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import assert_never
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
+
+#: log2 of the factor the dequantized bf16 operand is short of ``value * scale``.
+OPERAND_EXPONENT_DEFICIT = 7
+_BLOCK = 16  # NVFP4 elements per block scale.
+
+
+class Dequant(enum.Enum):
+    PTX = "ptx"
+    EXACT = "exact"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+    """Everything static about one launch (hashable: it keys the jit cache)."""
+
+    variant: Variant
+    weights: WeightFormat
+    op: Op
+    dequant: Dequant
+    order: Order
+    swap_ab: bool  # Weights as the MMA's M operand (acc is [n, m]); always with NVFP4.
+    config: TileConfig
+    num_rows: int
+    k: int
+    n_out: int  # Output columns: n for MATMUL, f for GATE_UP_SWIGLU.
+    block_k: int
+    block_n: int
+    max_tiles: int
+    aliased: bool
+
+
+def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """A static bound on the number of row tiles: ``sum_e ceil(g_e / bm) <= M // bm + #nonempty``."""
+    return num_rows // block_m + min(num_experts, num_rows)
+
+
+def tile_schedule(group_sizes_e: jax.Array, *, num_rows: int, block_m: int, num_tiles: int):
+    """Row tiles of ``block_m`` rows, each inside one expert's rows.
+
+    Groups are read as ``max(g, 0)``, and rows at or past ``num_rows`` are cut off, so a
+    malformed ``group_sizes_e`` can never make the kernel touch memory outside ``x``/``out``.
+
+    Args:
+      group_sizes_e: int32 ``[E]``.
+      num_rows: M, the rows of ``x``.
+      block_m: rows per tile.
+      num_tiles: the static number of tile slots (:func:`max_tiles`).
+
+    Returns:
+      ``(tile_expert_t, tile_start_t, tile_end_t)``, int32 ``[num_tiles]`` each: the expert,
+      the first row, and the end of that expert's rows (exclusive). Unused slots have
+      ``start == end == 0``.
+    """
+    sizes_e = jnp.maximum(group_sizes_e.astype(jnp.int32), 0)
+    ends_e = jnp.minimum(jnp.cumsum(sizes_e), num_rows)
+    starts_e = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_e[:-1]])
+    tiles_e = (ends_e - starts_e + block_m - 1) // block_m
+    tile_ends_e = jnp.cumsum(tiles_e)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    expert_t = jnp.searchsorted(tile_ends_e, t, side="right").astype(jnp.int32)
+    used_t = expert_t < group_sizes_e.shape[0]
+    expert_t = jnp.minimum(expert_t, group_sizes_e.shape[0] - 1)
+    first_tile_t = tile_ends_e[expert_t] - tiles_e[expert_t]
+    start_t = starts_e[expert_t] + (t - first_tile_t) * block_m
+    zero = jnp.zeros_like(t)
+    return (
+        jnp.where(used_t, expert_t, zero),
+        jnp.where(used_t, start_t, zero),
+        jnp.where(used_t, ends_e[expert_t], zero),
+    )
+
+
+# --- NVFP4 dequantization -------------------------------------------------------------------
+
+# Four packed bytes b0..b3 (element 2i in the low nibble of byte i) in $2; out: $0, $1 the
+# nibbles of (b0, b1) and (b2, b3) as bf16 pairs. prmt moves byte i to the top byte of a
+# 16-bit lane, so a high nibble sits at lane bits 12..15: its sign (bit 3) is then the bf16
+# sign bit, and its magnitude bits shift down by 6 into exponent bits 7..8 and mantissa
+# bit 6. The low-nibble variant first shifts the word left by 4. (The Pallas lowering of
+# elementwise_inline_asm takes one result, hence one asm per nibble.)
+_NIBBLES_TO_BF16_PTX = """
+{{
+.reg .b32 q, t, s;
+{shift}
+prmt.b32 t, q, 0, 0x1404;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $0, t, s;
+prmt.b32 t, q, 0, 0x3424;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $1, t, s;
+}}
+"""
+_LOW_NIBBLES_PTX = _NIBBLES_TO_BF16_PTX.format(shift="shl.b32 q, $2, 4;")
+_HIGH_NIBBLES_PTX = _NIBBLES_TO_BF16_PTX.format(shift="mov.b32 q, $2;")
+
+
+def _e2m1_halves_ptx(packed):
+    """uint8 ``[..., j]`` -> (low nibbles, high nibbles) as bf16 ``value * 2**-126``."""
+    bf16 = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+    return tuple(
+        plgpu.elementwise_inline_asm(asm, args=[packed], constraints="=r,=r,r", pack=4, result_shape_dtypes=[bf16])[0]
+        for asm in (_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX)
+    )
+
+
+def _scales_ptx(scales_u8):
+    """uint8 E4M3 bits ``[...]`` -> bf16 ``scale * 2**119`` (exact; subnormal E4M3 included)."""
+    bits = ((scales_u8.astype(jnp.uint16) & 0x7F) << 4) | ((scales_u8.astype(jnp.uint16) & 0x80) << 8)
+    placed = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)  # scale * 2**-120
+    # Two exact power-of-two steps: 2**239 does not fit one bf16 constant.
+    return placed * jnp.bfloat16(2.0**127) * jnp.bfloat16(2.0**112)
+
+
+def _e2m1_exact(codes_u8):
+    """uint8 codes 0..15 -> float32 E2M1 values, normal floats only."""
+    codes = codes_u8.astype(jnp.int32)
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    normal = jax.lax.bitcast_convert_type(((exponent + 126) << 23) | (mantissa << 22), jnp.float32)
+    magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 0.5, normal)
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def _e4m3_exact(scales_u8):
+    """uint8 E4M3 bits -> float32 values, normal floats only (E4M3 has no Inf; NaN unsupported)."""
+    bits = scales_u8.astype(jnp.int32)
+    exponent, mantissa = (bits >> 3) & 15, bits & 7
+    normal = jax.lax.bitcast_convert_type(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 2.0**-9, normal)
+    return jnp.where((bits & 0x80) != 0, -magnitude, magnitude)
+
+
+class Order(enum.Enum):
+    """Column order of a dequantized weight tile (and of the ``x`` columns it meets).
+
+    ``MODELOPT``: memory order. ``FRAGMENT``: within each 32-element block, column
+    ``16t + 8n + 2q + s`` holds element ``8q + 4t + 2s + n`` (:func:`permute_k`). That puts
+    the 4 packed bytes a thread's MMA A-fragment needs (mma.m16n8k16 and wgmma with A in
+    registers: columns ``2q, 2q+1, 2q+8, 2q+9`` of each k16 step) next to each other, and
+    pairs the two bf16 an asm output register holds as the fragment pairs them. In memory
+    order Triton gathers those bytes one at a time and re-pairs every register (measured:
+    1742 instead of 1083 SASS instructions per 128x256 tile and K step on SM90).
+    """
+
+    MODELOPT = "modelopt"
+    FRAGMENT = "fragment"
+
+
+def permute_k(x_mk):
+    """``x [M, K]`` -> its columns in :attr:`Order.FRAGMENT` order (K a multiple of 32)."""
+    m, k = x_mk.shape
+    blocks = x_mk.reshape(m, k // 32, 4, 2, 2, 2)  # (m, b, q, t, s, n)
+    return blocks.transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
+
+
+def dequantize_tile(packed_nj, scales_nb, dequant: Dequant, order: Order):
+    """One NVFP4 weight tile -> bf16 ``value * scale * 2**-7`` (global scale left out).
+
+    Args:
+      packed_nj: uint8 ``[bn, bk/2]``.
+      scales_nb: uint8 ``[bn, bk/16]`` (E4M3 bits).
+      dequant: the formulation; both give the same bits.
+      order: the column order of the result.
+
+    Returns:
+      bf16 ``[bn, bk]``.
+    """
+    rows, half = packed_nj.shape
+    blocks = scales_nb.shape[1]
+    match dequant:
+        case Dequant.PTX:
+            lo, hi = _e2m1_halves_ptx(packed_nj)
+            scale_nb = _scales_ptx(scales_nb)
+        case Dequant.EXACT:
+            lo, hi = (_e2m1_exact(nibbles) for nibbles in (packed_nj & 0xF, packed_nj >> 4))
+            scale_nb = _e4m3_exact(scales_nb) * 2.0**-OPERAND_EXPONENT_DEFICIT
+        case _:
+            assert_never(dequant)
+    match order:
+        case Order.MODELOPT:
+            w_nk = jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * half)
+            w_nbk = w_nk.reshape(rows, blocks, _BLOCK) * scale_nb[:, :, None].astype(w_nk.dtype)
+        case Order.FRAGMENT:
+            # Byte 16b + 4q + 2t + s holds elements 32b + 8q + 4t + 2s + {0, 1}; its scale is
+            # block 2b + q // 2.
+            scale_nbq = jnp.broadcast_to(scale_nb.reshape(rows, blocks // 2, 2, 1), (rows, blocks // 2, 2, 2))
+            scale_nbq = scale_nbq.reshape(rows, blocks // 2, 4)[:, :, :, None, None].astype(lo.dtype)
+            lo, hi = (v.reshape(rows, blocks // 2, 4, 2, 2) * scale_nbq for v in (lo, hi))
+            w_nbk = jnp.stack([lo, hi], axis=-1).transpose(0, 1, 3, 5, 2, 4)
+        case _:
+            assert_never(order)
+    return w_nbk.reshape(rows, 2 * half).astype(jnp.bfloat16)
+
+
+# --- the kernel --------------------------------------------------------------------------------
+
+
+def _raster(pid, *, num_tiles: int, num_n_tiles: int, group_t: int):
+    """Program id -> (row tile, column tile), ``group_t`` row tiles per column sweep."""
+    group_t = min(group_t, num_tiles)
+    per_group = group_t * num_n_tiles
+    first_t = (pid // per_group) * group_t
+    rows_here = jnp.minimum(num_tiles - first_t, group_t)
+    local = pid % per_group
+    return first_t + local % rows_here, local // rows_here
+
+
+def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: KernelSpec):
+    match spec.weights:
+        case WeightFormat.BF16:
+            w_ref, *rest = refs
+            weight_refs = (w_ref,)
+        case WeightFormat.NVFP4:
+            packed_ref, scales_ref, global_scale_ref, *rest = refs
+            weight_refs = (packed_ref, scales_ref)
+        case _:
+            assert_never(spec.weights)
+    out_ref = rest[-1]  # With aliasing, rest[0] is the same buffer as an input.
+
+    cfg = spec.config
+    bm, bn, bk = cfg.block_m, spec.block_n, spec.block_k
+    num_n_tiles = spec.n_out // bn
+    t, j = _raster(pl.program_id(0), num_tiles=spec.max_tiles, num_n_tiles=num_n_tiles, group_t=cfg.group_t)
+    expert = tile_expert_ref[t]
+    row_start = tile_start_ref[t]
+    row_end = tile_end_ref[t]
+    n_start = pl.multiple_of(j * bn, bn)
+    halves = (0, spec.n_out) if spec.op is Op.GATE_UP_SWIGLU else (0,)
+
+    def load_weight(row0, i):
+        # Offsets as i * width (not k0 // 2): Triton cannot see the alignment of a floor division.
+        match spec.weights:
+            case WeightFormat.BF16:
+                return weight_refs[0][expert, pl.ds(row0, bn), pl.ds(pl.multiple_of(i * bk, bk), bk)]
+            case WeightFormat.NVFP4:
+                k_bytes = pl.multiple_of(i * (bk // 2), bk // 2)
+                k_blocks = pl.multiple_of(i * (bk // _BLOCK), bk // _BLOCK)
+                packed = weight_refs[0][expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2)]
+                scales = weight_refs[1][expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK)]
+                return dequantize_tile(packed, scales, spec.dequant, spec.order)
+            case _:
+                assert_never(spec.weights)
+
+    @pl.when(row_start < row_end)
+    def _():
+        row_ok_m = row_start + jnp.arange(bm, dtype=jnp.int32) < row_end
+        acc_shape = (bn, bm) if spec.swap_ab else (bm, bn)
+
+        def body(i, accs):
+            k0 = pl.multiple_of(i * bk, bk)
+            x_mk = plgpu.load(x_ref.at[pl.ds(row_start, bm), pl.ds(k0, bk)], mask=row_ok_m[:, None], other=0.0)
+            new = []
+            for acc, half in zip(accs, halves):
+                w_nk = load_weight(n_start + half, i)
+                lhs, rhs = (w_nk, x_mk) if spec.swap_ab else (x_mk, w_nk)
+                new.append(acc + jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
+                                                     preferred_element_type=jnp.float32))
+            return tuple(new)
+
+        accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in halves)
+        accs = jax.lax.fori_loop(0, spec.k // bk, body, accs)
+        if spec.weights is WeightFormat.NVFP4:
+            factor = global_scale_ref[expert] * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
+            accs = tuple(acc * factor for acc in accs)
+        match spec.op:
+            case Op.MATMUL:
+                (y,) = accs
+            case Op.GATE_UP_SWIGLU:
+                gate, up = accs
+                y = gate / (1.0 + jnp.exp(-gate)) * up
+            case _:
+                assert_never(spec.op)
+        if spec.swap_ab:
+            y = y.T
+        plgpu.store(out_ref.at[pl.ds(row_start, bm), pl.ds(n_start, bn)], y.astype(out_ref.dtype),
+                    mask=row_ok_m[:, None])
+
+
+def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret: bool):
+    """Runs the kernel described by ``spec``.
+
+    Args:
+      spec: the static description.
+      schedule: :func:`tile_schedule`'s three int32 ``[max_tiles]`` arrays.
+      x_mk: bf16 ``[M, K]``.
+      weight_arrays: ``(w_enk,)`` bf16, or ``(packed_enj uint8, scales_enb uint8,
+        global_scale_e float32)``.
+      out_mn: None, or a bf16 ``[M, n_out]`` buffer aliased to the output.
+      interpret: run in Pallas interpret mode.
+
+    Returns:
+      bf16 ``[M, n_out]``.
+    """
+    operands = (*schedule, x_mk, *weight_arrays)
+    aliases = {}
+    if out_mn is not None:
+        aliases = {len(operands): 0}
+        operands = (*operands, out_mn)
+    num_programs = spec.max_tiles * (spec.n_out // spec.block_n)
+    name = f"grouped_{spec.op.value}_{spec.weights.value}_{spec.variant.value}"
+    call = pl.pallas_call(
+        functools.partial(_kernel, spec=spec),
+        out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
+        grid=(num_programs,),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=spec.config.num_warps, num_stages=spec.config.num_stages),
+        name=name,
+    )
+    with jax.named_scope(name):
+        return call(*operands)

@@ -1,0 +1,187 @@
+"""Tile configurations per compute capability, and the pure heuristic that picks one.
+
+One table, :data:`TILE_TABLE`, keyed by compute capability (80, 89, 90, 100, 120). Each row
+holds a :class:`TileConfig` for every :class:`Variant` (decode or prefill), weight format
+(bf16 or NVFP4) and :class:`Op` (plain grouped matmul or the fused gate/up + SwiGLU, whose two
+accumulators double the register footprint). :func:`choose` is a pure function of shapes and
+capability; it never looks at a device.
+
+Variants:
+
+* ``DECODE`` (swap-AB): the weight tile is the MMA's M operand and the few token rows of an
+  expert its N operand, so a tile of 16-32 rows still feeds 64-row MMA instructions and each
+  weight byte is streamed from memory once per N-tile. Bandwidth-bound.
+* ``PREFILL``: large row tiles; compute-bound. bf16 uses the usual ``x @ W^T``; NVFP4 keeps
+  swap-AB so the dequantized tile feeds the MMA from registers (see ``triton.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import assert_never
+
+#: Shared memory per block available to a kernel, per capability, in bytes.
+SHARED_MEMORY_BYTES = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
+
+
+class Variant(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+class WeightFormat(enum.Enum):
+    BF16 = "bf16"
+    NVFP4 = "nvfp4"
+
+
+class Op(enum.Enum):
+    MATMUL = "matmul"
+    GATE_UP_SWIGLU = "gate_up_swiglu"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """One Pallas-Triton launch configuration.
+
+    Attributes:
+      block_m: token rows per tile (the MMA's N operand under swap-AB).
+      block_n: output columns per tile (for the fused op: per half, gate and up each).
+      block_k: reduction depth per pipeline stage; a power of two >= 64.
+      num_warps: warps per program.
+      num_stages: software-pipeline depth of the K loop.
+      group_t: row tiles visited before moving to the next output-column tile (L2 raster).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_t: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name}: {value}, expected a power of two")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 64:
+            raise ValueError(f"TileConfig: {self}, expected block_m, block_n >= 16 and block_k >= 64")
+        if self.num_stages < 1 or self.group_t < 1:
+            raise ValueError(f"TileConfig: {self}, expected num_stages >= 1 and group_t >= 1")
+
+    def shared_memory_estimate(self, variant: Variant, weights: WeightFormat, op: Op) -> int:
+        """Bytes of operand tiles held in flight by the K pipeline (a lower bound on Triton's)."""
+        halves = 2 if op is Op.GATE_UP_SWIGLU else 1
+        x_bytes = self.block_m * self.block_k * 2
+        match weights:
+            case WeightFormat.BF16:
+                w_bytes = self.block_n * self.block_k * 2
+            case WeightFormat.NVFP4:
+                w_bytes = self.block_n * (self.block_k // 2 + self.block_k // 16)
+            case _:
+                assert_never(weights)
+        del variant  # Both variants stage the same operand tiles.
+        return self.num_stages * (x_bytes + halves * w_bytes)
+
+
+Key = tuple[Variant, WeightFormat, Op]
+
+
+def _row(decode_bf16, decode_nvfp4, prefill_bf16, prefill_nvfp4, *, decode_bf16_fused, decode_nvfp4_fused,
+         prefill_bf16_fused, prefill_nvfp4_fused) -> dict[Key, TileConfig]:
+    d, p = Variant.DECODE, Variant.PREFILL
+    b, f = WeightFormat.BF16, WeightFormat.NVFP4
+    mm, sw = Op.MATMUL, Op.GATE_UP_SWIGLU
+    return {
+        (d, b, mm): decode_bf16, (d, f, mm): decode_nvfp4,
+        (p, b, mm): prefill_bf16, (p, f, mm): prefill_nvfp4,
+        (d, b, sw): decode_bf16_fused, (d, f, sw): decode_nvfp4_fused,
+        (p, b, sw): prefill_bf16_fused, (p, f, sw): prefill_nvfp4_fused,
+    }
+
+
+# Decode tiles raster rows fastest (group_t covers every tile) so the row tiles of one expert
+# that share a weight tile run back to back and the re-read hits L2.
+_ALL_ROWS = 1 << 20
+
+
+def _decode(m, n, k, warps, stages) -> TileConfig:
+    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=_ALL_ROWS)
+
+
+def _prefill(m, n, k, warps, stages, group_t=8) -> TileConfig:
+    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t)
+
+
+# The SM90 row was picked from sweeps on an H200 (benchmarks/results/grouped_gemm_sweep_call*.json,
+# benchmarks/NOTES.md "Grouped GEMM kernels"). The others are sized to each chip's shared memory
+# and MMA, not measured: SM80/SM89/SM120 have mma.sync only, SM89 and SM120 about 99 KB of
+# shared memory per block; the SM100 and SM120 rows are cross-compiled in CI
+# (tests/pallas_kernels/test_crosscompile.py). For NVFP4, block_m counts token rows (the MMA's
+# N under swap-AB) and block_n weight rows, in both variants.
+TILE_TABLE: dict[int, dict[Key, TileConfig]] = {
+    80: _row(
+        _decode(16, 64, 256, 4, 4), _decode(16, 128, 256, 4, 4),
+        _prefill(128, 128, 64, 8, 4), _prefill(128, 128, 64, 8, 3),
+        decode_bf16_fused=_decode(16, 64, 128, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 4),
+        prefill_bf16_fused=_prefill(128, 64, 64, 8, 4), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+    ),
+    89: _row(
+        _decode(16, 64, 128, 4, 4), _decode(16, 64, 256, 4, 4),
+        _prefill(128, 128, 64, 8, 3), _prefill(128, 128, 64, 8, 3),
+        decode_bf16_fused=_decode(16, 64, 64, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 3),
+        prefill_bf16_fused=_prefill(128, 64, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+    ),
+    90: _row(
+        _decode(16, 128, 128, 4, 5), _decode(16, 128, 128, 4, 3),
+        _prefill(128, 256, 64, 8, 3), _prefill(128, 128, 64, 4, 4),
+        decode_bf16_fused=_decode(16, 64, 128, 4, 5), decode_nvfp4_fused=_decode(16, 64, 128, 4, 3),
+        prefill_bf16_fused=_prefill(128, 128, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 128, 64, 8, 3),
+    ),
+    100: _row(
+        _decode(16, 128, 128, 4, 5), _decode(16, 128, 256, 4, 4),
+        _prefill(128, 256, 64, 8, 3), _prefill(128, 256, 64, 8, 3),
+        decode_bf16_fused=_decode(16, 64, 128, 4, 5), decode_nvfp4_fused=_decode(16, 64, 256, 4, 4),
+        prefill_bf16_fused=_prefill(128, 128, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 128, 64, 8, 3),
+    ),
+    120: _row(
+        _decode(16, 64, 128, 4, 4), _decode(16, 64, 256, 4, 4),
+        _prefill(128, 128, 64, 8, 3), _prefill(128, 128, 64, 8, 3),
+        decode_bf16_fused=_decode(16, 64, 64, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 3),
+        prefill_bf16_fused=_prefill(128, 64, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+    ),
+}
+
+
+def check_capability(compute_capability: int) -> None:
+    """Raises ValueError naming ``compute_capability`` if the table has no row for it."""
+    if compute_capability not in TILE_TABLE:
+        raise ValueError(
+            f"compute_capability: {compute_capability!r} has no tile configurations; "
+            f"known: {sorted(TILE_TABLE)}"
+        )
+
+
+def choose_variant(*, num_rows: int, num_experts: int, compute_capability: int) -> Variant:
+    """Decode when the average expert gets at most two decode row tiles, else prefill.
+
+    At that point the decode kernel still reads each weight tile about once (an expert's row
+    tiles run back to back and share it through L2) while the prefill kernel's 128-row tiles
+    would be mostly padding.
+    """
+    check_capability(compute_capability)
+    decode_rows = TILE_TABLE[compute_capability][(Variant.DECODE, WeightFormat.BF16, Op.MATMUL)].block_m
+    return Variant.DECODE if num_rows <= 2 * decode_rows * num_experts else Variant.PREFILL
+
+
+def fit_block(block: int, extent: int, minimum: int) -> int:
+    """The largest power of two <= ``block`` that divides ``extent`` (at least ``minimum``).
+
+    Callers validate that ``extent`` is a multiple of ``minimum``, so the result exists.
+    """
+    size = block
+    while extent % size:
+        size //= 2
+    assert size >= minimum, (block, extent, minimum)
+    return size

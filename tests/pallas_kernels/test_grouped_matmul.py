@@ -1,0 +1,270 @@
+"""Grouped matmul kernels against a float64 reference: interpret mode on CPU, native on GPU.
+
+Every case draws fresh random inputs (the ``rng`` fixture), compares only the rows whose
+output is defined, and passes a NaN-poisoned ``out=`` buffer so an unwritten tile fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import nvfp4
+from pallas_kernels.grouped_matmul import Dequant, Op, Variant, gate_up_swiglu, grouped_matmul, reference, run, tuning
+from pallas_kernels.grouped_matmul import triton as triton_backend
+
+TOLERANCE = 1e-2  # Relative Frobenius error; bf16 output rounding alone is ~3e-3.
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    m: int  # rows of x (padding rows included)
+    k: int
+    n: int  # output columns (F for the fused op)
+    groups: tuple[int, ...]
+
+
+CASES = {
+    "empty_and_one_row_groups": Case(m=24, k=128, n=32, groups=(0, 1, 17, 0, 5)),
+    "m_not_a_tile_multiple": Case(m=37, k=64, n=48, groups=(20, 9, 8)),
+    "all_rows_in_one_group": Case(m=40, k=128, n=32, groups=(0, 40, 0)),
+    "minimum_k_and_n": Case(m=5, k=64, n=16, groups=(3, 0, 2)),
+}
+# Multi-step K loops and several tiles per expert, native only (interpret mode is too slow).
+GPU_CASES = {
+    **CASES,
+    "several_k_steps_and_row_tiles": Case(m=700, k=2048, n=512, groups=(0, 300, 1, 0, 250, 33, 100, 16)),
+}
+
+
+def _weights(rng, fmt: str, e: int, rows: int, k: int):
+    w = jnp.asarray(rng.standard_normal((e, rows, k)) * 0.05, jnp.bfloat16)
+    match fmt:
+        case "bf16":
+            return w
+        case "nvfp4":
+            return nvfp4.quantize(w.astype(jnp.float32))
+    raise AssertionError(fmt)
+
+
+def _inputs(rng, case: Case, fmt: str, op: Op):
+    x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    rows = 2 * case.n if op is Op.GATE_UP_SWIGLU else case.n
+    w = _weights(rng, fmt, len(case.groups), rows, case.k)
+    return x, w, jnp.asarray(case.groups, jnp.int32)
+
+
+def _reference(op: Op, x, w, group_sizes):
+    match op:
+        case Op.MATMUL:
+            return reference.grouped_matmul(x, w, group_sizes)
+        case Op.GATE_UP_SWIGLU:
+            return reference.gate_up_swiglu(x, w, group_sizes)
+    raise AssertionError(op)
+
+
+def _check(out, ref, *, padding_poisoned: bool):
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    defined = out[: ref.shape[0]]
+    assert np.isfinite(defined).all(), f"{np.count_nonzero(~np.isfinite(defined))} outputs left unwritten (NaN)"
+    error = np.linalg.norm(defined - ref) / np.linalg.norm(ref)
+    assert error <= TOLERANCE, f"relative Frobenius error {error:.3g}"
+    if padding_poisoned:  # The kernel skips padding rows, so their poison stays.
+        assert np.isnan(out[ref.shape[0]:]).all()
+
+
+def _run_case(rng, case: Case, fmt: str, op: Op, variant: Variant, *, compute_capability: int, interpret: bool):
+    x, w, group_sizes = _inputs(rng, case, fmt, op)
+    poisoned = jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16)
+    out = run(op, x, w, group_sizes, compute_capability=compute_capability, interpret=interpret, out=poisoned,
+              variant=variant)
+    _check(out, _reference(op, x, w, group_sizes), padding_poisoned=True)
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.value)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_interpret_matches_float64_reference(rng, case, fmt, op, variant):
+    _run_case(rng, case, fmt, op, variant, compute_capability=90, interpret=True)
+
+
+def _gpu_capability() -> int:
+    major, minor = jax.devices("gpu")[0].compute_capability.split(".")
+    return 10 * int(major) + int(minor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.value)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_matches_float64_reference(rng, case, fmt, op, variant):
+    _run_case(rng, case, fmt, op, variant, compute_capability=_gpu_capability(), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.value)
+def test_gpu_ptx_and_exact_dequantization_agree(rng, op, variant):
+    """Both NVFP4 formulations build the same bf16 operand, so the outputs match bit for bit."""
+    case = GPU_CASES["several_k_steps_and_row_tiles"]
+    x, w, group_sizes = _inputs(rng, case, "nvfp4", op)
+    outs = [run(op, x, w, group_sizes, compute_capability=_gpu_capability(), variant=variant, dequant=d)
+            for d in (Dequant.PTX, Dequant.EXACT)]
+    rows = reference.valid_rows(group_sizes, case.m)
+    np.testing.assert_array_equal(np.asarray(outs[0][:rows]), np.asarray(outs[1][:rows]))
+
+
+@pytest.mark.gpu
+def test_gpu_public_functions_kimi_decode_shape(rng):
+    """The public entries with the tile table's choice, at a Kimi K2 decode size (48 experts)."""
+    e, k, f, m = 48, 7168, 2048, 256
+    group_sizes = jnp.asarray(rng.multinomial(m, np.full(e, 1 / e)), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w_gate_up = _weights(rng, "nvfp4", e, 2 * f, k)
+    cc = _gpu_capability()
+    h = gate_up_swiglu(x, w_gate_up, group_sizes, compute_capability=cc,
+                       out=jnp.full((m, f), jnp.nan, jnp.bfloat16))
+    _check(h, reference.gate_up_swiglu(x, w_gate_up, group_sizes), padding_poisoned=True)
+    w_down = _weights(rng, "nvfp4", e, k, f)
+    y = grouped_matmul(h, w_down, group_sizes, compute_capability=cc, out=jnp.full((m, k), jnp.nan, jnp.bfloat16))
+    _check(y, reference.grouped_matmul(h, w_down, group_sizes), padding_poisoned=True)
+
+
+def test_poisoned_output_detects_an_unwritten_tile(rng):
+    """The poison check itself: skipping the last row tile leaves NaN that the check reports."""
+    case = CASES["all_rows_in_one_group"]
+    x, w, group_sizes = _inputs(rng, case, "bf16", Op.MATMUL)
+    short = jnp.asarray([0, case.m - 8, 0], jnp.int32)  # The kernel sees 8 fewer rows ...
+    out = grouped_matmul(x, w, short, compute_capability=90, interpret=True,
+                         out=jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16))
+    with pytest.raises(AssertionError, match="unwritten"):
+        _check(out, reference.grouped_matmul(x, w, group_sizes), padding_poisoned=False)  # ... than the reference.
+
+
+def test_public_functions_interpret(rng):
+    case = CASES["empty_and_one_row_groups"]
+    for fn, op in ((grouped_matmul, Op.MATMUL), (gate_up_swiglu, Op.GATE_UP_SWIGLU)):
+        x, w, group_sizes = _inputs(rng, case, "nvfp4", op)
+        out = fn(x, w, group_sizes, compute_capability=120, interpret=True)
+        assert out.shape == (case.m, case.n) and out.dtype == jnp.bfloat16
+        _check(out, _reference(op, x, w, group_sizes), padding_poisoned=False)
+
+
+# --- the pieces the kernel is built from --------------------------------------------------------
+
+
+def test_tile_schedule_covers_each_row_once(rng):
+    for _ in range(8):
+        e, m, bm = int(rng.integers(1, 9)), int(rng.integers(1, 200)), int(rng.choice([16, 32, 64]))
+        sizes = rng.integers(0, 2 * m // e + 2, size=e)
+        sizes[rng.random(e) < 0.3] = 0
+        num_tiles = triton_backend.max_tiles(m, e, bm)
+        expert, start, end = (np.asarray(a) for a in triton_backend.tile_schedule(
+            jnp.asarray(sizes, jnp.int32), num_rows=m, block_m=bm, num_tiles=num_tiles))
+        owner = np.full(m, -1)
+        for t in range(num_tiles):
+            rows = np.arange(start[t], min(start[t] + bm, end[t]))
+            assert (owner[rows] == -1).all(), "a row is covered twice"
+            owner[rows] = expert[t]
+        expected = np.full(m, -1)
+        bounds = np.minimum(np.concatenate([[0], np.cumsum(sizes)]), m)
+        for i in range(e):
+            expected[bounds[i]:bounds[i + 1]] = i
+        np.testing.assert_array_equal(owner, expected)
+
+
+def test_exact_dequantization_matches_reference(rng):
+    e, n, k = 2, 16, 64
+    t = nvfp4.quantize(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32))
+    scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+    want = reference.dequantize(t.packed, t.scales, t.global_scale)
+    for i in range(e):
+        tile = triton_backend.dequantize_tile(t.packed[i], scales_u8[i], Dequant.EXACT, triton_backend.Order.MODELOPT)
+        got = np.asarray(tile.astype(jnp.float32), np.float64) * 2.0**triton_backend.OPERAND_EXPONENT_DEFICIT
+        np.testing.assert_array_equal(got * float(t.global_scale[i]), want[i])
+
+
+def test_fragment_order_is_a_consistent_permutation_of_k(rng):
+    n, k = 16, 128
+    t = nvfp4.quantize(jnp.asarray(rng.standard_normal((1, n, k)), jnp.float32))
+    scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+    tiles = {order: triton_backend.dequantize_tile(t.packed[0], scales_u8[0], Dequant.EXACT, order)
+             for order in triton_backend.Order}
+    np.testing.assert_array_equal(np.asarray(tiles[triton_backend.Order.FRAGMENT]),
+                                  np.asarray(triton_backend.permute_k(tiles[triton_backend.Order.MODELOPT])))
+    perm = np.asarray(triton_backend.permute_k(jnp.arange(k)[None]))[0]
+    assert sorted(perm.tolist()) == list(range(k))
+    assert (perm // 32 == np.arange(k) // 32).all()  # It stays inside 32-element blocks.
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(triton_backend.permute_k(x)), np.asarray(x)[:, perm])
+
+
+# --- argument checking -------------------------------------------------------------------------
+
+
+def _valid(rng):
+    x, w, group_sizes = _inputs(rng, CASES["minimum_k_and_n"], "nvfp4", Op.MATMUL)
+    return x, w, group_sizes
+
+
+@pytest.mark.parametrize("mutate, name", [
+    (lambda x, w, g: (x.astype(jnp.float32), w, g), "x_mk"),
+    (lambda x, w, g: (x[:, :48], w, g), "x_mk"),
+    (lambda x, w, g: (x, w, g[None]), "group_sizes_e"),
+    (lambda x, w, g: (x, w, g.astype(jnp.int16)), "group_sizes_e"),
+    (lambda x, w, g: (x, w, g[:2]), "w.packed"),
+    (lambda x, w, g: (x, dataclasses.replace(w, scales=w.scales.astype(jnp.float32)), g), "w.scales"),
+    (lambda x, w, g: (x, dataclasses.replace(w, packed=w.packed[:, :, :16]), g), "w.packed"),
+    (lambda x, w, g: (x, dataclasses.replace(w, global_scale=w.global_scale[:1]), g), "w.global_scale"),
+    (lambda x, w, g: (x, nvfp4.dequantize(w, jnp.float32), g), "w"),
+    (lambda x, w, g: (x, nvfp4.dequantize(w, jnp.bfloat16)[:, :8], g), "w"),
+], ids=["x_dtype", "k_not_multiple_of_64", "group_sizes_rank", "group_sizes_dtype", "mismatched_experts", "scales_dtype",
+        "packed_k", "global_scale_shape", "w_float32", "n_not_multiple_of_16"])
+def test_bad_arguments_raise_naming_the_argument(rng, mutate, name):
+    x, w, g = mutate(*_valid(rng))
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        grouped_matmul(x, w, g, compute_capability=90, interpret=True)
+
+
+def test_bad_out_capability_and_fused_rows_raise(rng):
+    x, w, g = _valid(rng)
+    with pytest.raises(ValueError, match="compute_capability"):
+        grouped_matmul(x, w, g, compute_capability=75, interpret=True)
+    with pytest.raises(ValueError, match="out"):
+        grouped_matmul(x, w, g, compute_capability=90, interpret=True, out=jnp.zeros((x.shape[0], 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="w_gate_up"):
+        gate_up_swiglu(x, w, g, compute_capability=90, interpret=True)  # F = 8: not a multiple of 16.
+
+
+# --- tuning ------------------------------------------------------------------------------------
+
+
+def test_every_table_row_has_every_kernel_and_fits_shared_memory():
+    keys = {(v, f, o) for v in tuning.Variant for f in tuning.WeightFormat for o in tuning.Op}
+    for capability, row in tuning.TILE_TABLE.items():
+        assert set(row) == keys, capability
+        for key, cfg in row.items():
+            assert cfg.shared_memory_estimate(*key) <= tuning.SHARED_MEMORY_BYTES[capability], (capability, key, cfg)
+
+
+def test_variant_heuristic():
+    def pick(m, e=48, cc=90):
+        return tuning.choose_variant(num_rows=m, num_experts=e, compute_capability=cc)
+
+    assert pick(128) is pick(512) is Variant.DECODE
+    assert pick(8192) is pick(32768) is Variant.PREFILL
+    assert pick(512, e=2) is Variant.PREFILL  # 256 rows an expert: weight tiles are reused anyway.
+    with pytest.raises(ValueError, match="compute_capability"):
+        pick(128, cc=70)
+
+
+def test_fit_block():
+    assert tuning.fit_block(256, 7168, 64) == 256
+    assert tuning.fit_block(256, 192, 64) == 64
+    assert tuning.fit_block(128, 48, 16) == 16

@@ -45,23 +45,25 @@ def _none_cannot_run(target: Target, config: MoEConfig) -> str | None:
 
 
 #: Ragged updates per peer that XLA's single-process GPU kernel needs to spread a transfer
-#: over enough thread blocks (it gives each update its own blocks; see benchmarks/NOTES.md).
-RAGGED_MIN_UPDATES_PER_PEER = 128
+#: over enough thread blocks (it gives each update its own blocks). 2 H200s, 235 MB per peer:
+#: 1 update 2.7 GB/s, 128 updates 172-174, 512 and 2048 updates 191-192 (benchmarks/NOTES.md).
+RAGGED_MIN_UPDATES_PER_PEER = 512
 
 
 def ragged_exchange(x_th, ids_tk, weights_tk, expert_fn, *, num_experts, axis_name, capacity_factor):
     """``jax.lax.ragged_all_to_all`` (see :func:`sharding.expert_parallel.ragged_exchange`).
 
-    With every device in this process, XLA runs the exchange as one copy kernel whose
-    thread blocks are split by update, so updates are sliced up to
-    :data:`RAGGED_MIN_UPDATES_PER_PEER` per peer; across processes XLA issues one NCCL
-    send/receive per update, so there they are not sliced.
+    On GPUs in one process XLA runs ``ragged_all_to_all`` as one copy kernel whose thread
+    blocks are split by update, so updates are sliced up to
+    :data:`RAGGED_MIN_UPDATES_PER_PEER` per peer. Across processes XLA issues one NCCL
+    send/receive per update, and TPUs have their own implementation: there they are not
+    sliced (neither measured here).
     """
-    single_process = jax.process_count() == 1
+    one_kernel = jax.default_backend() == "gpu" and jax.process_count() == 1
     return sharding.ragged_exchange(
         x_th, ids_tk, weights_tk, expert_fn, num_experts=num_experts, axis_name=axis_name,
         capacity_factor=capacity_factor,
-        min_updates_per_peer=RAGGED_MIN_UPDATES_PER_PEER if single_process else 1,
+        min_updates_per_peer=RAGGED_MIN_UPDATES_PER_PEER if one_kernel else 1,
     )
 
 
@@ -91,30 +93,38 @@ def _anywhere(target: Target, config: MoEConfig) -> str | None:
     return _without_mesh(target)
 
 
-#: Up to this many tokens per device, ``auto`` prefers ``allgather`` on GPUs (measured in
-#: benchmarks/results/expert_parallel.md: decode-sized batches).
+#: Up to this many tokens per device, ``auto`` prefers ``allgather`` on GPUs: latency, not
+#: bytes, decides there (measured: benchmarks/results/expert_parallel.md).
 ALLGATHER_MAX_TOKENS_PER_DEVICE = 64
 
 
 def _auto_order(target: Target, config: MoEConfig):
-    del config
     if target.expert_parallel == 1:
         return ("none",), "the expert axis has one device, so no tokens move"
+    d, k = target.expert_parallel, config.top_k
     small = target.tokens_per_device is not None and target.tokens_per_device <= ALLGATHER_MAX_TOKENS_PER_DEVICE
+    # Per device and token, allgather moves (D-1)*H*(2 + 4) bytes (bf16 in, float32 partial
+    # sums out), ragged 2 * k*(D-1)/D * H * 2 (bf16 rows, each way): fewer for D < 2k/3.
+    fewer_bytes = 3 * d < 2 * k
     match target.platform:
         case "cpu":
             return ("padded", "allgather"), "XLA:CPU has no ragged_all_to_all; padded buffers follow the load"
         case "cuda" if small:
             return ("allgather", "ragged", "padded"), (
-                f"<= {ALLGATHER_MAX_TOKENS_PER_DEVICE} tokens/device: two collectives and no planning round trip win"
+                f"<= {ALLGATHER_MAX_TOKENS_PER_DEVICE} tokens/device: two collectives, no planning round trip"
+            )
+        case "cuda" if fewer_bytes:
+            return ("allgather", "ragged", "padded"), (
+                f"expert axis {d} < 2k/3 = {2 * k / 3:.1f}: gathering each token once moves fewer bytes than "
+                f"sending it to each of its k = {k} experts"
             )
         case "cuda":
-            return ("ragged", "padded", "allgather"), (
-                "each row crosses NVLink once each way, with no padding and no receive-side sort"
-                if target.tokens_per_device is not None
-                else "no tokens_per_device hint: assumes prefill-sized batches, where ragged moves the fewest bytes"
+            return ("ragged", "allgather", "padded"), (
+                f"expert axis {d} >= 2k/3 = {2 * k / 3:.1f}: each (token, expert) row crossing once each way moves "
+                "the fewest bytes"
             )
-    return ("ragged", "padded", "allgather"), f"{target.platform}: ragged moves the fewest bytes"
+        case other:
+            return ("ragged", "padded", "allgather"), f"{other}: ragged moves each row once each way"
 
 
 EXCHANGE = Registry(
@@ -140,7 +150,7 @@ EXCHANGE = Registry(
         ),
         Implementation(
             name="allgather",
-            summary="all_gather tokens, local experts, reduce-scatter (float32); dropless; small batches",
+            summary="all_gather tokens, local experts, reduce-scatter (float32); dropless; fewest bytes for EP < 2k/3",
             cannot_run=_anywhere,
             run=sharding.allgather_exchange,
         ),

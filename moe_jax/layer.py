@@ -134,7 +134,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
 
     def expert_fn(x_mh, group_sizes_e):
         with jax.named_scope(plan.scope(EXPERT_GEMM.stage)):
-            return expert_impl.run(x_mh, group_sizes_e, params["experts"], config)
+            return expert_impl.run(x_mh, group_sizes_e, params["experts"], plan)
 
     with jax.named_scope(plan.scope(EXCHANGE.stage)):
         y_th, dropped = EXCHANGE[plan.exchange].run(

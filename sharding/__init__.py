@@ -4,6 +4,13 @@ Knows nothing about kernels or routers: callers pass routing results and the loc
 function. Imports flow one way: ``moe_jax`` imports ``sharding``, never the reverse.
 """
 
+from sharding.expert_parallel import allgather_exchange, padded_exchange, ragged_exchange
 from sharding.local import clip_group_sizes, combine, dispatch, sort_by_expert
+from sharding.mesh import expert_parallel_rules, logical_to_spec, make_mesh, shard_tree, tree_specs
+from sharding.plan import ExchangePlan, plan_exchange
 
-__all__ = ["clip_group_sizes", "combine", "dispatch", "sort_by_expert"]
+__all__ = [
+    "ExchangePlan", "allgather_exchange", "clip_group_sizes", "combine", "dispatch", "expert_parallel_rules",
+    "logical_to_spec", "make_mesh", "padded_exchange", "plan_exchange", "ragged_exchange", "shard_tree",
+    "sort_by_expert", "tree_specs",
+]

@@ -1,0 +1,296 @@
+"""Expert parallelism on 8 virtual CPU devices: the layer under ``shard_map`` equals the
+layer on one device, for every exchange, expert-parallel size, top-k and weight format.
+
+``ragged`` cannot run on XLA:CPU (no ``ragged_all_to_all``), so its tests swap in an
+emulation of that collective built from ``all_gather`` and a scatter, which also checks
+what the GPU kernel would not: both ends agree on sizes, no slice leaves its buffer, and the
+``output`` buffer is typed to vary like the operand (the real primitive types its result
+like ``output``; typed invariant, its cotangent would be summed over devices).
+
+Tolerances. Both paths compute every row from the same bf16 inputs with float32
+accumulation and round at the same two points (the SwiGLU output and the layer output);
+only XLA's blocking of float32 sums may differ with the number of rows, which can move a
+value across a bf16 rounding boundary. Outputs may therefore differ by a couple of bf16
+ulps (2^-8 relative each) of a token's largest element; routing and statistics must match
+exactly.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_jax
+import sharding
+from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, resolve
+from moe_jax.layer import param_shardings, shard_params
+
+E, H, F = 16, 32, 32
+TOKENS = 8 * 5 + 3  # not a multiple of the 8 devices: the layer pads
+BASE = MoEConfig(num_experts=E, top_k=2, hidden_size=H, expert_intermediate_size=F, num_shared_experts=1)
+
+
+def mesh_for(ep, devices):
+    return sharding.make_mesh(ep, data_parallel=len(devices) // ep, devices=devices)
+
+
+def make(config, rng, tokens=TOKENS):
+    params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
+    if config.router_bias:
+        params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
+    if config.weight_format == "nvfp4":
+        params = quantize_params(params)
+    return params, jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
+
+
+def emulated_ragged_all_to_all(violations):
+    """``jax.lax.ragged_all_to_all`` from ``all_gather`` + scatter; bad metadata goes to ``violations``."""
+    def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                          axis_index_groups=None):
+        assert axis_index_groups is None
+        # The real primitive types its result like ``output``: it must vary wherever the
+        # operand does, or gradients get summed over devices.
+        varying = lambda a: jax.typeof(a).manual_axis_type.varying
+        assert varying(operand) | {axis_name} <= varying(output), (varying(operand), varying(output))
+        d = jax.lax.axis_size(axis_name)
+        me = jax.lax.axis_index(axis_name)
+        u = input_offsets.shape[0] // d
+        n, m = operand.shape[0], output.shape[0]
+        operands = jax.lax.all_gather(operand, axis_name)  # [source, N, H]
+        meta = [jax.lax.all_gather(a, axis_name).reshape(d, d, u)[:, me] for a in (input_offsets, send_sizes, output_offsets)]
+        start_su, size_su, at_su = meta  # what each source sends this device
+        rows = jnp.arange(max(n, 1))
+        valid = rows < size_su[..., None]
+        source = jnp.broadcast_to(jnp.arange(d)[:, None, None], valid.shape)
+        values = operands[source, jnp.clip(start_su[..., None] + rows, 0, n - 1)]
+        target = jnp.where(valid, at_su[..., None] + rows, m)
+        bad = (jnp.sum(size_su != recv_sizes.reshape(d, u)) + jnp.sum((start_su < 0) | (start_su + size_su > n))
+               + jnp.sum((at_su < 0) | (at_su + size_su > m)))
+        jax.debug.callback(lambda b: violations.append(int(b)), bad)
+        return output.at[target.reshape(-1)].set(values.reshape(-1, *operand.shape[1:]), mode="drop")
+    return ragged_all_to_all
+
+
+@pytest.fixture
+def plan_for(monkeypatch):
+    """``plan_for(config, mesh, exchange)``: a plan that runs ``exchange``, ragged emulated."""
+    violations = []
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all(violations))
+
+    def make_plan(config, mesh, exchange):
+        if exchange != "ragged":
+            return resolve(dataclasses.replace(config, exchange=exchange), mesh)
+        plan = resolve(dataclasses.replace(config, exchange="padded"), mesh)
+        decisions = tuple(dataclasses.replace(d, chosen="ragged") if d.stage == "exchange" else d for d in plan.decisions)
+        return dataclasses.replace(plan, decisions=decisions)
+
+    yield make_plan
+    assert violations == [0] * len(violations), "ragged metadata out of bounds or inconsistent"
+
+
+def forward(params, x, plan):
+    return jax.jit(moe_forward, static_argnums=2)(params, x, plan)
+
+
+def assert_same_output(y, y_ref):
+    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    scale = np.abs(y_ref).max(axis=-1, keepdims=True)
+    np.testing.assert_array_less(np.abs(y - y_ref), np.broadcast_to(2 * 2.0**-8 * scale, y.shape))
+
+
+def assert_same_stats(stats, stats_ref):
+    np.testing.assert_array_equal(stats["tokens_per_expert"], stats_ref["tokens_per_expert"])
+    assert int(stats["dropped"]) == int(stats_ref["dropped"])
+    np.testing.assert_allclose(stats["load_balance_loss"], stats_ref["load_balance_loss"], rtol=1e-5)
+
+
+# Every pair of (expert-parallel size, top-k, weight format) appears with padded (auto on
+# CPU); the other exchanges cover each size, top-k and format at least once.
+LATIN = [(2, 1, "bf16"), (2, 2, "nvfp4"), (2, 8, "bf16"), (4, 1, "nvfp4"), (4, 2, "bf16"), (4, 8, "nvfp4"),
+         (8, 1, "bf16"), (8, 2, "nvfp4"), (8, 8, "nvfp4"), (2, 8, "nvfp4"), (4, 1, "bf16"), (8, 2, "bf16")]
+CASES = [(1, "none", k, fmt) for k, fmt in ((1, "nvfp4"), (2, "bf16"), (8, "nvfp4"))]
+CASES += [(ep, "padded", k, fmt) for ep, k, fmt in LATIN]
+CASES += [(2, "allgather", 8, "bf16"), (4, "allgather", 2, "nvfp4"), (8, "allgather", 1, "bf16")]
+CASES += [(2, "ragged", 1, "bf16"), (4, "ragged", 8, "nvfp4"), (8, "ragged", 2, "bf16"), (8, "ragged", 8, "bf16")]
+
+
+@pytest.mark.parametrize("ep,exchange,top_k,weight_format", CASES)
+def test_matches_single_device(rng, cpu_devices, plan_for, ep, exchange, top_k, weight_format):
+    config = dataclasses.replace(BASE, top_k=top_k, weight_format=weight_format)
+    params, x = make(config, rng)
+    y_ref, stats_ref = forward(params, x, resolve(config, cpu_devices[:1]))
+    plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
+    assert plan.exchange == exchange
+    y, stats = forward(shard_params(params, plan), x, plan)
+    assert y.shape == x.shape and y.dtype == jnp.bfloat16
+    assert_same_output(y, y_ref)
+    assert_same_stats(stats, stats_ref)
+
+
+@pytest.mark.parametrize("min_updates_per_peer", [1, 24])
+def test_sliced_ragged_updates_match_padded(rng, cpu_devices, plan_for, min_updates_per_peer):
+    """GPUs slice each (peer, expert) update for parallelism; slices must reassemble exactly."""
+    del plan_for  # only for its emulation of ragged_all_to_all
+    ep, e, k, tokens = 4, 8, 3, 6
+    mesh = jax.make_mesh((ep,), ("expert",), devices=cpu_devices[:ep], axis_types=(jax.sharding.AxisType.Auto,))
+    x_th = jnp.asarray(rng.standard_normal((ep * tokens, H)), jnp.float32)
+    ids_tk = jnp.asarray(np.argsort(rng.random((ep * tokens, e)), axis=1)[:, :k], jnp.int32)
+    weights_tk = jnp.asarray(rng.random((ep * tokens, k)), jnp.float32)
+
+    def by_local_expert(x_mh, group_sizes_e):
+        expert_m = jnp.searchsorted(jnp.cumsum(group_sizes_e), jnp.arange(x_mh.shape[0]), side="right")
+        return x_mh * (1.0 + expert_m[:, None] + 10.0 * jax.lax.axis_index("expert"))
+
+    def run(exchange, **kwargs):
+        body = lambda x, ids, w: exchange(x, ids, w, by_local_expert, num_experts=e, axis_name="expert",
+                                          capacity_factor=None, **kwargs)[0]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))(x_th, ids_tk, weights_tk)
+
+    expected = np.einsum("tk,tkh->th", weights_tk, x_th[:, None, :] * (1.0 + (ids_tk % (e // ep)) + 10.0 * (ids_tk // (e // ep)))[..., None])
+    np.testing.assert_allclose(run(sharding.padded_exchange), expected, rtol=1e-6)
+    np.testing.assert_allclose(run(sharding.ragged_exchange, min_updates_per_peer=min_updates_per_peer), expected, rtol=1e-6)
+
+
+def skewed(config, rng, chosen):
+    """Sigmoid routing whose correction bias forces every token onto ``chosen`` experts."""
+    config = dataclasses.replace(config, scoring="sigmoid", router_bias=True)
+    params, x = make(config, rng)
+    params["router"]["bias_e"] = params["router"]["bias_e"].at[jnp.asarray(chosen)].add(100.0)
+    return config, params, x
+
+
+@pytest.mark.parametrize("exchange", ["padded", "allgather", "ragged"])
+@pytest.mark.parametrize("skew", ["one_expert", "one_device"])
+def test_skewed_routing(rng, cpu_devices, plan_for, exchange, skew):
+    ep = 4
+    top_k, chosen = {"one_expert": (1, [5]), "one_device": (3, [4, 5, 6, 7])}[skew]
+    config, params, x = skewed(dataclasses.replace(BASE, top_k=top_k), rng, chosen)
+    y_ref, stats_ref = forward(params, x, resolve(config, cpu_devices[:1]))
+    assert set(np.flatnonzero(stats_ref["tokens_per_expert"])) <= set(chosen)
+    plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
+    y, stats = forward(shard_params(params, plan), x, plan)
+    assert_same_output(y, y_ref)
+    assert_same_stats(stats, stats_ref)
+    assert int(stats["dropped"]) == 0
+
+
+@pytest.mark.parametrize("exchange", ["padded", "allgather", "ragged"])
+def test_gradients_match_single_device(rng, cpu_devices, plan_for, exchange):
+    config = BASE
+    params, x = make(config, rng)
+    r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def loss(params, x, plan):
+        y, stats = moe_forward(params, x, plan)
+        return jnp.sum(y.astype(jnp.float32) * r) + stats["load_balance_loss"]
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    g_ref = grad(params, x, resolve(config, cpu_devices[:1]))
+    plan = plan_for(config, mesh_for(4, cpu_devices), exchange)
+    g = grad(shard_params(params, plan), x, plan)
+    # bf16 gradients of weights sum over tokens, here in another order (per device, then a
+    # psum), so they differ by bf16 roundings of partial sums: compare norms, then elements.
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), jax.tree_util.keystr(path[0])
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * np.abs(b).max())
+
+
+def expected_with_capacity(params, x, config, ep, data):
+    """float64 layer output and drop count when each device keeps its first ``C`` received rows.
+
+    Receiver order is expert-major: local expert, then source device, then token (the
+    stable sort keeps token order), as :mod:`sharding.plan` defines it.
+    """
+    x64 = np.asarray(x, np.float64)
+    tokens = x64.shape[0]
+    per_device = -(-tokens // (ep * data))
+    capacity = math.ceil(config.capacity_factor * per_device * config.top_k)
+    logits = jnp.asarray(x, jnp.float32) @ params["router"]["w_eh"].astype(jnp.float32).T
+    ids, weights = moe_jax.router.route(logits, config, correction_bias_e=params["router"].get("bias_e"))
+    ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
+    e_l = config.num_experts // ep
+    kept = np.zeros(ids.shape, bool)
+    dropped = 0
+    for group in range(data):
+        first, last = group * ep * per_device, (group + 1) * ep * per_device
+        for receiver in range(ep):
+            rows = sorted((ids[t, s], t, s) for t in range(first, min(last, tokens)) for s in range(config.top_k)
+                          if ids[t, s] // e_l == receiver)
+            for _, t, s in rows[:capacity]:
+                kept[t, s] = True
+            dropped += max(0, len(rows) - capacity)
+    w_gu = np.asarray(params["experts"]["w_gate_up_egh"], np.float64)
+    w_dn = np.asarray(params["experts"]["w_down_ehf"], np.float64)
+    silu = lambda v: v / (1 + np.exp(-v))
+    y = np.zeros_like(x64)
+    for t in range(tokens):
+        for s in np.flatnonzero(kept[t]):
+            h = w_gu[ids[t, s]] @ x64[t]
+            y[t] += weights[t, s] * (w_dn[ids[t, s]] @ (silu(h[:F]) * h[F:]))
+    sh_gu, sh_dn = (np.asarray(params["shared"][n], np.float64) for n in ("w_gate_up_gh", "w_down_hs"))
+    h = x64 @ sh_gu.T
+    return y + (silu(h[:, :F]) * h[:, F:]) @ sh_dn.T, dropped
+
+
+@pytest.mark.parametrize("exchange,ep", [("none", 1), ("padded", 4), ("allgather", 4), ("ragged", 4), ("ragged", 2)])
+def test_capacity_drops_are_counted_exactly(rng, cpu_devices, plan_for, exchange, ep):
+    config, params, x = skewed(dataclasses.replace(BASE, top_k=2, capacity_factor=0.75), rng, [4, 5, 9])
+    data = len(cpu_devices) // ep
+    y_expected, dropped = expected_with_capacity(params, x, config, ep, data)
+    assert dropped > 0
+    plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
+    y, stats = forward(shard_params(params, plan), x, plan)
+    assert int(stats["dropped"]) == dropped
+    err = np.linalg.norm(np.asarray(y, np.float64) - y_expected, axis=1) / np.linalg.norm(y_expected, axis=1)
+    assert err.max() < 3e-2  # bf16 rounding of the SwiGLU output and of y, per token
+
+
+def test_shard_params_splits_expert_memory(rng, cpu_devices):
+    config = dataclasses.replace(BASE, weight_format="nvfp4")
+    params, _ = make(config, rng)
+    plan = resolve(config, mesh_for(4, cpu_devices))
+    placed = shard_params(params, plan)
+    for leaf, host in zip(jax.tree.leaves(placed["experts"]), jax.tree.leaves(params["experts"])):
+        assert leaf.sharding.spec[0] == "expert"
+        assert leaf.addressable_shards[0].data.nbytes * 4 == host.nbytes
+    for leaf in jax.tree.leaves((placed["router"], placed["shared"])):
+        assert leaf.sharding.is_fully_replicated
+    assert jax.tree.map(lambda s: s.spec, param_shardings(params, plan))["experts"]["w_down_ehf"].packed == P("expert", None, None)
+    with pytest.raises(ValueError, match="plan: .* expected a Plan resolved for a jax.sharding.Mesh"):
+        shard_params(params, resolve(config, cpu_devices[:1]))
+
+
+def test_auto_and_explicit_choices(cpu_devices):
+    mesh = mesh_for(4, cpu_devices)
+    plan = resolve(BASE, mesh)
+    assert plan.exchange == "padded"
+    assert "XLA:CPU does not implement ragged_all_to_all" in plan.report
+    with pytest.raises(moe_jax.ResolutionError, match="'ragged' cannot run .* XLA:CPU does not implement"):
+        resolve(dataclasses.replace(BASE, exchange="ragged"), mesh)
+    with pytest.raises(moe_jax.ResolutionError, match="'none' cannot run"):
+        resolve(dataclasses.replace(BASE, exchange="none"), mesh)
+    with pytest.raises(moe_jax.ResolutionError, match="'padded' cannot run .* one device has no mesh"):
+        resolve(dataclasses.replace(BASE, exchange="padded"), cpu_devices[:1])
+    assert resolve(BASE, mesh_for(1, cpu_devices)).exchange == "none"
+
+
+@pytest.mark.parametrize("ep,tokens,expected", [(4, 16, "allgather"), (4, 4096, "allgather"), (8, 16, "allgather"),
+                                                (8, 4096, "ragged"), (8, None, "ragged"), (16, None, "ragged")])
+def test_auto_on_gpus_picks_by_size(ep, tokens, expected):
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((ep,), ("expert",), abstract_device=device)
+    plan = resolve(MoEConfig.kimi_k2(weight_format="nvfp4"), mesh, tokens_per_device=tokens)
+    assert plan.exchange == expected
+    assert f"exchange: {expected}  (requested 'auto'; auto: " in plan.report
+
+
+def test_the_chosen_exchange_is_stamped_into_the_hlo(rng, cpu_devices):
+    params, x = make(BASE, rng)
+    plan = resolve(dataclasses.replace(BASE, exchange="allgather"), mesh_for(4, cpu_devices))
+    text = jax.jit(moe_forward, static_argnums=2).lower(params, x, plan).as_text(debug_info=True)
+    assert "moe_jax.exchange.allgather" in text and "moe_jax.exchange.padded" not in text

@@ -9,7 +9,8 @@ from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
 from moe_jax.experts import EXPERT_GEMM
 from moe_jax.layer import (
-    check_params, init_params, moe_forward, param_shapes, quantize_params, reference_forward,
+    check_params, init_params, moe_forward, param_shapes, param_shardings, quantize_params,
+    reference_forward, shard_params,
 )
 from moe_jax.module import MoE
 from moe_jax.nvfp4 import NVFP4Tensor
@@ -19,5 +20,6 @@ from moe_jax.resolve import Plan, ResolutionError, resolve
 __all__ = [
     "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan", "Registry",
     "ResolutionError", "Target", "check_params", "init_params", "moe_forward", "nvfp4",
-    "param_shapes", "quantize_params", "reference_forward", "resolve", "router",
+    "param_shapes", "param_shardings", "quantize_params", "reference_forward", "resolve", "router",
+    "shard_params",
 ]

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from moe_jax.config import MoEConfig
-from moe_jax.layer import Params, check_params, init_params, moe_forward
+from moe_jax.layer import Params, check_params, init_params, moe_forward, shard_params
 from moe_jax.nvfp4 import NVFP4Tensor
 from moe_jax.resolve import Plan, resolve
 
@@ -34,7 +34,8 @@ class MoE(nnx.Module):
     Args:
       config: the layer.
       rngs: initializes random parameters (ignored when ``params`` is given).
-      mesh: a mesh with ``config.expert_axis`` for expert parallelism, or None for one device.
+      mesh: a mesh with ``config.expert_axis`` for expert parallelism (the parameters are
+        placed on it with :func:`moe_jax.shard_params`), or None for one device.
       training: resolve for training (only implementations with a VJP qualify).
       params: existing parameters in :func:`moe_jax.init_params`' layout, e.g. from a checkpoint.
     """
@@ -52,6 +53,8 @@ class MoE(nnx.Module):
         if params is None:
             params = init_params(config, rngs.params())
         check_params(params, config)
+        if isinstance(mesh, Mesh):
+            params = shard_params(params, self.plan)  # each device holds its experts only
         self.router_w_eh = nnx.Param(params["router"]["w_eh"])
         self.router_bias_e = nnx.Param(params["router"]["bias_e"]) if config.router_bias else None
         self.w_gate_up_egh = _variable(params["experts"]["w_gate_up_egh"])

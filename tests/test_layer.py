@@ -169,3 +169,19 @@ def test_nnx_module_with_nvfp4_weights_keeps_them_out_of_the_gradient(rng):
     grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32)))(layer, x)
     names = {str(path[0]) for path, _ in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
     assert names == {"router_w_eh", "router_bias_e"}  # the shared expert is NVFP4 too
+
+
+def test_nnx_module_on_an_expert_parallel_mesh(rng, cpu_devices):
+    config = CONFIGS["kimi"]
+    mesh = jax.make_mesh((4,), ("expert",), devices=cpu_devices[:4])
+    sharded = moe_jax.MoE(config, rngs=nnx.Rngs(3), mesh=mesh)
+    single = moe_jax.MoE(config, rngs=nnx.Rngs(3), mesh=None)
+    assert sharded.plan.target.expert_parallel == 4
+    w = sharded.w_gate_up_egh.get_value()
+    assert w.sharding.spec[0] == "expert"
+    assert w.addressable_shards[0].data.shape[0] == config.num_experts // 4  # each device: its experts only
+    x = jnp.asarray(rng.standard_normal((22, 64)), jnp.bfloat16)
+    y, stats = nnx.jit(lambda m, x: m(x))(sharded, x)
+    y1, stats1 = single(x)
+    np.testing.assert_array_equal(stats["tokens_per_expert"], stats1["tokens_per_expert"])
+    assert rel_err(y, np.asarray(y1, np.float64)) < 5e-3

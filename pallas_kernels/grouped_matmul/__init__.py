@@ -133,15 +133,8 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         config = tuning.TILE_TABLE[compute_capability][(variant, weights, op)]
     if dequant is None:
         dequant = Dequant.EXACT if interpret else Dequant.PTX
-    # Swap-AB: the weight tile is the MMA's M operand. Decode needs it (a few rows per expert
-    # still fill 64-row MMAs); NVFP4 always takes it, so the dequantized tile goes from
-    # registers straight into the MMA in fragment order (:class:`.triton.Order`).
-    # (Measured on an H200 with XLA's Triton: NVFP4 staged through shared memory in memory
-    # order as the B operand came out wrong, relative error 1.2; see benchmarks/NOTES.md.)
-    swap_ab = variant is Variant.DECODE or weights is WeightFormat.NVFP4
-    order = Order.FRAGMENT if weights is WeightFormat.NVFP4 else Order.MODELOPT
     spec = triton_backend.KernelSpec(
-        variant=variant, weights=weights, op=op, dequant=dequant, order=order, swap_ab=swap_ab, config=config, num_rows=m, k=k, n_out=n_out,
+        variant=variant, weights=weights, op=op, dequant=dequant, config=config, num_rows=m, k=k, n_out=n_out,
         block_k=tuning.fit_block(config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
         max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,

@@ -61,8 +61,6 @@ class KernelSpec:
     weights: WeightFormat
     op: Op
     dequant: Dequant
-    order: Order
-    swap_ab: bool  # Weights as the MMA's M operand (acc is [n, m]); always with NVFP4.
     config: TileConfig
     num_rows: int
     k: int
@@ -71,6 +69,22 @@ class KernelSpec:
     block_n: int
     max_tiles: int
     aliased: bool
+
+    @property
+    def swap_ab(self) -> bool:
+        """Weights as the MMA's M operand (acc is ``[n, m]``).
+
+        Decode needs it (a few rows per expert still fill 64-row MMAs); NVFP4 always takes it,
+        so the dequantized tile goes from registers straight into the MMA in fragment order.
+        (Measured on an H200 with XLA's Triton: NVFP4 staged through shared memory in memory
+        order as the B operand came out wrong, relative error 1.2; see benchmarks/NOTES.md.)
+        """
+        return self.variant is Variant.DECODE or self.weights is WeightFormat.NVFP4
+
+    @property
+    def order(self) -> Order:
+        """The column order of dequantized NVFP4 tiles, and of ``x`` (bf16 keeps memory order)."""
+        return Order.FRAGMENT if self.weights is WeightFormat.NVFP4 else Order.MODELOPT
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:

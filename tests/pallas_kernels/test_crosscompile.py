@@ -6,9 +6,14 @@ tensor-core MMA, and fit the chip's shared memory per block. ``benchmarks/sm_cro
 records the same compilations (registers, shared memory) under ``benchmarks/results/``.
 """
 
+import platform
+
 import pytest
 
-pytest.importorskip("triton", reason="the optional triton package compiles the kernels")
+# The test extra installs triton wherever its wheels exist (Linux x86-64, as on CI); there a
+# missing triton is a broken install and must fail, not skip.
+if not (platform.system() == "Linux" and platform.machine() == "x86_64"):
+    pytest.skip("triton 3.6 wheels exist for Linux x86-64 only", allow_module_level=True)
 
 from pallas_kernels.grouped_matmul import crosscompile  # noqa: E402
 

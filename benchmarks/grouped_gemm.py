@@ -423,13 +423,13 @@ def _cfg(variant, m, n, k, w, s, g=8):
 SWEEP = {
     # (variant, fmt, op, rows, projections): candidate (block_m, block_n, block_k, warps, stages);
     # None = the tile table's entry. Earlier sweeps: benchmarks/results/grouped_gemm_sweep_call*.json.
-    # This one asks whether more warps per SM (8-warp programs need ~74 registers a thread,
-    # 4-warp ones ~107) speed up NVFP4 decode.
-    (Variant.DECODE, "nvfp4", Op.MATMUL, 512, ("gate_up", "down")): [
-        None, (16, 128, 128, 8, 3), (16, 256, 128, 8, 3), (16, 256, 64, 8, 4), (16, 128, 64, 4, 4)],
-    (Variant.DECODE, "nvfp4", Op.MATMUL, 128, ("gate_up",)): [None, (16, 128, 128, 8, 3), (16, 256, 64, 8, 4)],
-    (Variant.DECODE, "nvfp4", Op.GATE_UP_SWIGLU, 512, ("gate_up",)): [None, (16, 128, 128, 8, 3),
-                                                                        (16, 64, 128, 8, 3)],
+    # Call 4 ran this on two versions of the kernel's block-scale loading (benchmarks/NOTES.md).
+    (Variant.DECODE, "nvfp4", Op.MATMUL, 512, ("gate_up", "down")): [None],
+    (Variant.DECODE, "nvfp4", Op.MATMUL, 128, ("gate_up",)): [None],
+    (Variant.DECODE, "nvfp4", Op.GATE_UP_SWIGLU, 512, ("gate_up",)): [None],
+    (Variant.PREFILL, "nvfp4", Op.MATMUL, 8192, ("gate_up", "down")): [None],
+    (Variant.PREFILL, "nvfp4", Op.MATMUL, 32768, ("gate_up",)): [None],
+    (Variant.PREFILL, "nvfp4", Op.GATE_UP_SWIGLU, 8192, ("gate_up",)): [None],
 }
 
 

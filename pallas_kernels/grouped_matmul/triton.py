@@ -288,19 +288,23 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
     n_start = pl.multiple_of(j * bn, bn)
     halves = (0, spec.n_out) if spec.op is Op.GATE_UP_SWIGLU else (0,)
 
-    def load_weight(row0, i):
+    def load_scales(row0, i):
+        k_blocks = pl.multiple_of(i * (bk // _BLOCK), bk // _BLOCK)
+        return weight_refs[1][expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK)]
+
+    def load_weight(row0, i, scales):
         # Offsets as i * width (not k0 // 2): Triton cannot see the alignment of a floor division.
         match spec.weights:
             case WeightFormat.BF16:
                 return weight_refs[0][expert, pl.ds(row0, bn), pl.ds(pl.multiple_of(i * bk, bk), bk)]
             case WeightFormat.NVFP4:
                 k_bytes = pl.multiple_of(i * (bk // 2), bk // 2)
-                k_blocks = pl.multiple_of(i * (bk // _BLOCK), bk // _BLOCK)
                 packed = weight_refs[0][expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2)]
-                scales = weight_refs[1][expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK)]
                 return dequantize_tile(packed, scales, spec.dequant, spec.order)
             case _:
                 assert_never(spec.weights)
+
+    nvfp4 = spec.weights is WeightFormat.NVFP4
 
     @pl.when(row_start < row_end)
     def _():
@@ -308,11 +312,18 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         acc_shape = (bn, bm) if spec.swap_ab else (bm, bn)
 
         def body(i, accs):
+            # The block scales are loaded first in each K step. XLA's Triton keeps this small load
+            # in registers (no cp.async stage) and issues it where the body does; issued after x
+            # and the codes, it was waited for at the top of every step (ncu: a long-scoreboard
+            # stall with 16% of the samples). First, the step's other work covers it: NVFP4
+            # decode on an H200 430 instead of 467 us; a by-hand prefetch one step ahead gave
+            # 469 us (benchmarks/NOTES.md).
+            scales = [load_scales(n_start + half, i) if nvfp4 else None for half in halves]
             k0 = pl.multiple_of(i * bk, bk)
             x_mk = plgpu.load(x_ref.at[pl.ds(row_start, bm), pl.ds(k0, bk)], mask=row_ok_m[:, None], other=0.0)
             new = []
-            for acc, half in zip(accs, halves):
-                w_nk = load_weight(n_start + half, i)
+            for acc, half, scales_nb in zip(accs, halves, scales):
+                w_nk = load_weight(n_start + half, i, scales_nb)
                 lhs, rhs = (w_nk, x_mk) if spec.swap_ab else (x_mk, w_nk)
                 new.append(acc + jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
                                                      preferred_element_type=jnp.float32))
@@ -320,7 +331,7 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
 
         accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in halves)
         accs = jax.lax.fori_loop(0, spec.k // bk, body, accs)
-        if spec.weights is WeightFormat.NVFP4:
+        if nvfp4:
             factor = global_scale_ref[expert] * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
             accs = tuple(acc * factor for acc in accs)
         match spec.op:

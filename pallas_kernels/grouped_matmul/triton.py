@@ -82,6 +82,20 @@ class KernelSpec:
         return self.variant is Variant.DECODE or self.weights is WeightFormat.NVFP4
 
     @property
+    def scales_first(self) -> bool:
+        """Whether each K step loads the NVFP4 block scales before ``x`` and the codes.
+
+        XLA's Triton keeps this small load in registers (no cp.async stage) and issues it where
+        the kernel body does. Issued after x and the codes, it was waited for at the top of every
+        step (ncu, decode: a long-scoreboard stall with 16% of the samples); issued first, the
+        step's other work covers it. Measured on an H200 (benchmarks/NOTES.md): decode 433 vs
+        470 us, fused decode 460 vs 524, prefill 1558 vs 1637 (M=8192), but the fused prefill
+        (two weight halves) got slower, 2621 vs 2293, so it keeps the old order.
+        """
+        return self.weights is WeightFormat.NVFP4 and not (
+            self.variant is Variant.PREFILL and self.op is Op.GATE_UP_SWIGLU)
+
+    @property
     def order(self) -> Order:
         """The column order of dequantized NVFP4 tiles, and of ``x`` (bf16 keeps memory order)."""
         return Order.FRAGMENT if self.weights is WeightFormat.NVFP4 else Order.MODELOPT
@@ -300,11 +314,11 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
             case WeightFormat.NVFP4:
                 k_bytes = pl.multiple_of(i * (bk // 2), bk // 2)
                 packed = weight_refs[0][expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2)]
+                if scales is None:  # Not loaded first (KernelSpec.scales_first).
+                    scales = load_scales(row0, i)
                 return dequantize_tile(packed, scales, spec.dequant, spec.order)
             case _:
                 assert_never(spec.weights)
-
-    nvfp4 = spec.weights is WeightFormat.NVFP4
 
     @pl.when(row_start < row_end)
     def _():
@@ -312,13 +326,7 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         acc_shape = (bn, bm) if spec.swap_ab else (bm, bn)
 
         def body(i, accs):
-            # The block scales are loaded first in each K step. XLA's Triton keeps this small load
-            # in registers (no cp.async stage) and issues it where the body does; issued after x
-            # and the codes, it was waited for at the top of every step (ncu: a long-scoreboard
-            # stall with 16% of the samples). First, the step's other work covers it: NVFP4
-            # decode on an H200 430 instead of 467 us; a by-hand prefetch one step ahead gave
-            # 469 us (benchmarks/NOTES.md).
-            scales = [load_scales(n_start + half, i) if nvfp4 else None for half in halves]
+            scales = [load_scales(n_start + half, i) if spec.scales_first else None for half in halves]
             k0 = pl.multiple_of(i * bk, bk)
             x_mk = plgpu.load(x_ref.at[pl.ds(row_start, bm), pl.ds(k0, bk)], mask=row_ok_m[:, None], other=0.0)
             new = []
@@ -331,7 +339,7 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
 
         accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in halves)
         accs = jax.lax.fori_loop(0, spec.k // bk, body, accs)
-        if nvfp4:
+        if spec.weights is WeightFormat.NVFP4:
             factor = global_scale_ref[expert] * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
             accs = tuple(acc * factor for acc in accs)
         match spec.op:

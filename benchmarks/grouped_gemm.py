@@ -346,7 +346,6 @@ def markdown(meta, cases, mlp, goals) -> str:
         f"- command: `{meta['command']}`",
         f"- versions: {meta['versions']}",
         f"- timing: {meta['timing']}",
-        *([f"- **incomplete run**: {meta['interrupted']}"] if "interrupted" in meta else []),
         "",
         "Time per call in microseconds (TFLOP/s in parentheses; the fused gate_up_swiglu counts the gate and "
         "up products, like the plain gate_up GEMM). `err` = the peer failed (see JSON).",
@@ -484,46 +483,14 @@ def write_results(out: pathlib.Path, meta: dict, cases: list[Case], mlp: dict | 
     return table
 
 
-def render_interrupted(args):
-    """Results files from an interrupted run's ``grouped_gemm_partial.json`` and its log.
-
-    The cases come from the partial file the run wrote after each case; device, date and
-    command from the flags; the copy bandwidth and the Mosaic sweep from the run's log.
-    """
-    run_dir = pathlib.Path(args.render_interrupted)
-    cases = [Case(**c) for c in json.loads((run_dir / "grouped_gemm_partial.json").read_text())]
-    log = (run_dir / "bench.log").read_text()
-    bandwidth = float(log.split("copy bandwidth ")[1].split(" TB/s")[0])
-    sweeps = [line.strip() for line in log.splitlines() if line.strip().startswith("mgpu sweep")]
-    meta = {
-        "device": args.device, "date": args.date, "command": args.command, "copy_bandwidth_tbps": bandwidth,
-        "versions": args.versions, "timing": TIMING.format(runs=20), "experts": EXPERTS,
-        "zipf_exponent": ZIPF_EXPONENT,
-        "interrupted": f"the run reached its time limit while timing down/zipf/M=32768 ({len(cases)} of "
-                       f"{len(PROJECTIONS) * len(ROUTINGS) * len(ROWS)} cases written); that version of the script "
-                       "timed the full MLP last, so the MLP was not measured. Rendered with --render-interrupted.",
-    }
-    table = write_results(pathlib.Path(args.out), meta, cases, None, sweeps, None)
-    print(table)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--runs", type=int, default=20, help="timed runs per case (>= 20 for the benchmark)")
     parser.add_argument("--sweep", action="store_true", help="sweep our tile configurations instead")
-    parser.add_argument("--render-interrupted", metavar="RUN_DIR",
-                        help="write the results files from an interrupted run's partial JSON and log")
-    parser.add_argument("--device", help="with --render-interrupted: the run's device")
-    parser.add_argument("--date", help="with --render-interrupted: the run's date")
-    parser.add_argument("--command", help="with --render-interrupted: the run's command")
-    parser.add_argument("--versions", help="with --render-interrupted: the run's software versions")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.render_interrupted:
-        render_interrupted(args)
-        return
     device = jax.devices()[0]
     major, minor = device.compute_capability.split(".")
     cc = 10 * int(major) + int(minor)

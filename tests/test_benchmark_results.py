@@ -1,0 +1,66 @@
+"""The committed benchmark pages are what the committed scripts render from the committed data.
+
+A results page edited by hand, or a script changed so that it would no longer produce the page
+(its tables, targets or verdicts), fails here.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grouped_gemm_page_is_rendered_from_its_json():
+    bench = _load("grouped_gemm")
+    data = json.loads((RESULTS / "grouped_gemm.json").read_text())
+    fields = {field.name for field in dataclasses.fields(bench.Case)}
+    cases = [bench.Case(**{k: v for k, v in case.items() if k in fields}) for case in data["cases"]]
+    goals = bench.targets(cases, data["mlp"])
+    assert goals == data["targets"]
+    assert bench.markdown(data, cases, data["mlp"], goals) == (RESULTS / "grouped_gemm.md").read_text()
+
+
+def test_ncu_pages_are_rendered_from_their_exports():
+    for page, raw, sass in (
+        ("ncu_grouped_gemm.md", "ncu_grouped_gemm_raw.csv", "ncu_grouped_gemm_nvfp4_decode_sass.csv"),
+        ("ncu_grouped_gemm_before.md", "ncu_grouped_gemm_before_raw.csv",
+         "ncu_grouped_gemm_before_nvfp4_decode_sass.csv"),
+    ):
+        committed = (RESULTS / page).read_text()
+        note = committed.splitlines()[2].strip("*")
+        rendered = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_summary.py"), raw, sass, note],
+                                  cwd=RESULTS, check=True, capture_output=True, text=True).stdout
+        assert rendered == committed, page
+
+
+def test_readme_grouped_gemm_table_matches_the_results():
+    data = json.loads((RESULTS / "grouped_gemm.json").read_text())
+    uniform = {(c["projection"], c["rows"]): c["results"] for c in data["cases"] if c["routing"] == "uniform"}
+    columns = ("ours_bf16", "ours_nvfp4", "ours_swiglu_nvfp4", "jax_ragged_dot", "ragged_dot_mgpu",
+               "torch_grouped_mm")
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**Grouped GEMM**"):readme.index("**Expert parallelism**")]
+    rows = [line.split("|")[1:-1] for line in section.splitlines()
+            if line.startswith("| gate_up |") or line.startswith("| down |")]
+    assert len(rows) == len(uniform)
+    for projection, m, *cells in (map(str.strip, row) for row in rows):
+        results = uniform[(projection, int(m))]
+        for impl, cell in zip(columns, cells, strict=True):
+            expected = f"{results[impl]['ms'] * 1e3:.1f}" if impl in results else ""
+            assert cell == expected, (projection, m, impl)
+    mlp = data["mlp"]
+    assert f"takes {mlp['ms'] * 1e3:.1f} us, {mlp['ratio_to_floor']:.2f}x" in section
+    assert f"({mlp['byte_floor_ms'] * 1e3:.1f} us for {mlp['bytes'] / 1e9:.3f} GB" in section

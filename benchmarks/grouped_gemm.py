@@ -463,6 +463,12 @@ def _torch_available() -> bool:
     return torch.cuda.is_available()
 
 
+def capability(device) -> int:
+    """``major * 10 + minor`` of a CUDA device (the tile table's key)."""
+    major, minor = device.compute_capability.split(".")
+    return 10 * int(major) + int(minor)
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -492,8 +498,7 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    major, minor = device.compute_capability.split(".")
-    cc = 10 * int(major) + int(minor)
+    cc = capability(device)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     started = time.time()
     if args.sweep:

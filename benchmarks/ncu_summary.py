@@ -56,8 +56,6 @@ def kernels_section(raw_csv: str) -> list[str]:
     names = [row[col["Kernel Name"]] for row in rows]
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, metric, scale in METRICS:
-        if metric not in col:
-            continue
         cells = []
         for row in rows:
             value = _number(row[col[metric]])

@@ -5,7 +5,8 @@ tile-table configuration, called once after compiling. Run under ``ncu`` on a GP
 
     ncu --clock-control none --set full --kernel-name regex:grouped -o OUT/kernels \\
         python benchmarks/profile_kernels.py
-    ncu --import OUT/kernels.ncu-rep --page details > OUT/ncu_details.txt
+
+then export and summarize the report as ``benchmarks/ncu_summary.py`` describes.
 
 (``--clock-control none``: leave the clocks as the benchmark sees them.)
 """
@@ -31,9 +32,7 @@ CASES = (
 
 
 def main():
-    device = jax.devices()[0]
-    major, minor = device.compute_capability.split(".")
-    cc = 10 * int(major) + int(minor)
+    cc = bench.capability(jax.devices()[0])
     for label, op, fmt, projection, rows in CASES:
         n, k = bench.PROJECTIONS[projection]
         [args], _ = bench.jax_arg_sets(rows, n, k, "uniform", rows, 1)

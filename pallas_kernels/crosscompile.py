@@ -43,6 +43,8 @@ class TritonModule:
     ttir: str
     num_warps: int
     num_stages: int
+    #: Shapes of the kernel's pointer arguments, in order: the custom call's operands, then its results.
+    arg_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,8 @@ def triton_modules(fn, *args, capability: int) -> list[TritonModule]:
                 ttir=str(module),
                 num_warps=ir.IntegerAttr(config["num_warps"]).value,
                 num_stages=ir.IntegerAttr(config["num_stages"]).value,
+                arg_shapes=tuple(tuple(ir.RankedTensorType(v.type).shape)
+                                 for v in (*call.operands, *call.results)),
             ))
     return modules
 

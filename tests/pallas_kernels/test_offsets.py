@@ -1,0 +1,110 @@
+"""CI check, no GPU needed: no kernel addresses memory through an offset that can overflow.
+
+Each kernel is lowered without a GPU (for an abstract H200) at the largest published MoE shapes
+(Kimi K2: 384 experts; DeepSeek-V3: 256; and a model with twice Kimi's experts) and the
+largest row count (32768 tokens x top-8). In the Triton IR every load and store is a
+``tt.addptr`` of a kernel argument and an offset tensor; an argument with 2**31 elements or
+more must be addressed with 64-bit offsets, since Triton sign-extends 32-bit ones.
+
+This is the class of bug that made the NVFP4 down projection read the wrong weights for
+every Kimi K2 expert from 293 on (and fault, depending on where the buffer landed):
+interpret mode clamps indices, so only the lowered IR shows it on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import crosscompile
+from pallas_kernels.grouped_matmul import Op, run
+
+SHAPES = {  # experts, hidden, expert intermediate
+    "kimi_k2": (384, 7168, 2048),
+    "deepseek_v3": (256, 7168, 2048),
+    "twice_kimi_k2": (768, 7168, 2048),
+}
+ROWS = 32768 * 8
+
+
+def _abstract(weight_format: str, e: int, n: int, k: int):
+    s = jax.ShapeDtypeStruct
+    if weight_format == "bf16":
+        return s((e, n, k), jnp.bfloat16)
+    return (s((e, n, k // 2), jnp.uint8), s((e, n, k // 16), jnp.float8_e4m3fn), s((e,), jnp.float32))
+
+
+def _module(op: Op, weight_format: str, e: int, h: int, f: int):
+    n, k = (2 * f, h) if op is Op.GATE_UP_SWIGLU else (h, f)
+
+    def fn(x, w, group_sizes):
+        if isinstance(w, tuple):
+            w = types.SimpleNamespace(packed=w[0], scales=w[1], global_scale=w[2])
+        return run(op, x, w, group_sizes, compute_capability=90)
+
+    args = (jax.ShapeDtypeStruct((ROWS, k), jnp.bfloat16), _abstract(weight_format, e, n, k),
+            jax.ShapeDtypeStruct((e,), jnp.int32))
+    [module] = crosscompile.triton_modules(fn, *args, capability=90)
+    return module
+
+
+def pointer_offsets(ttir: str) -> dict[int, set[str]]:
+    """Kernel argument index -> the integer types of the offsets every ``tt.addptr`` adds to it.
+
+    Follows the pointer from the ``tt.addptr`` back through ``tt.splat``/``tt.broadcast``/
+    ``tt.addptr`` to a ``%argN``.
+    """
+    source = {}
+    for m in re.finditer(r"(%[\w#]+) = tt\.(?:splat|broadcast|expand_dims) (%[\w#]+)", ttir):
+        source[m.group(1)] = m.group(2)
+    adds = list(re.finditer(r"(%[\w#]+) = tt\.addptr (%[\w#]+), %[\w#]+ : [^,]+, (?:tensor<[\dx]+x)?(i\d+)", ttir))
+    for m in adds:
+        source[m.group(1)] = m.group(2)
+    found: dict[int, set[str]] = {}
+    for m in adds:
+        base = m.group(2)
+        while base in source:
+            base = source[base]
+        arg = re.fullmatch(r"%arg(\d+)", base)
+        assert arg, f"addptr base {m.group(0)!r} does not lead back to a kernel argument"
+        found.setdefault(int(arg.group(1)), set()).add(m.group(3))
+    return found
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.value)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_no_32_bit_offset_can_overflow(shape, op, weight_format):
+    module = _module(op, weight_format, *shape)
+    num_args = len(re.search(r"tt\.func public @\w+\((.*?)\) ", module.ttir).group(1).split("%arg")) - 1
+    assert len(module.arg_shapes) == num_args, (module.arg_shapes, num_args)
+    offsets = pointer_offsets(module.ttir)
+    assert offsets, "no tt.addptr found: the IR format changed, fix the parser"
+    for arg, types_ in offsets.items():
+        elements = math.prod(module.arg_shapes[arg])
+        if elements > 2**31:
+            assert types_ == {"i64"}, (
+                f"argument {arg} {module.arg_shapes[arg]} has {elements} elements but is addressed with {types_} offsets")
+        else:
+            assert types_ <= {"i32", "i64"}, types_
+
+
+def test_the_check_sees_32_bit_offsets(monkeypatch):
+    """The check itself: without the 64-bit fix, Kimi K2's NVFP4 down projection is flagged."""
+    from jax._src.pallas.triton import lowering
+
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices",
+                        lowering._compute_offsets_from_indices.__wrapped__)
+    jax.clear_caches()  # Lowerings are cached: neither take one from, nor leave one for, other tests.
+    try:
+        module = _module(Op.MATMUL, "nvfp4", *SHAPES["kimi_k2"])
+    finally:
+        jax.clear_caches()
+    offsets = pointer_offsets(module.ttir)
+    packed = next(i for i, s in enumerate(module.arg_shapes) if s == (384, 7168, 1024))
+    assert offsets[packed] == {"i32"}

@@ -92,12 +92,16 @@ def _weight_format(w, name: str, num_experts: int, k: int) -> tuple[WeightFormat
 
 def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool = False, out=None,
         config: TileConfig | None = None, variant: Variant | None = None,
-        dequant: Dequant | None = None) -> jax.Array:
+        dequant: Dequant | None = None, check_bounds: bool = False):
     """The shared entry of both public functions.
 
     ``config``/``variant`` override the tile table (benchmark sweeps) and ``dequant`` the
     formulation (tests comparing the two on a GPU); left as None, the table, the heuristic
     and ``PTX`` (``EXACT`` under ``interpret``) decide.
+
+    ``check_bounds`` (with ``interpret`` only) makes the kernel count every load and store
+    lane whose index falls outside its buffer, which the interpreter would otherwise clamp
+    silently; the call then returns ``(out, out_of_bounds)``, the count an int32 ``[1]``.
     """
     weight_name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
     tuning.check_capability(compute_capability)
@@ -124,8 +128,11 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
                          f"positive multiple of {N_MULTIPLE}")
     if out is not None and (tuple(out.shape) != (m, n_out) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
         raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
+    if check_bounds and not interpret:
+        raise ValueError("check_bounds: True, expected interpret=True (it instruments the interpreted kernel)")
     if m == 0:
-        return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+        empty = jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+        return (empty, jnp.zeros((1,), jnp.int32)) if check_bounds else empty
 
     if variant is None:
         variant = tuning.choose_variant(num_rows=m, num_experts=num_experts, compute_capability=compute_capability)
@@ -138,6 +145,7 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         block_k=tuning.fit_block(config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
         max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
+        check_bounds=check_bounds,
     )
     return _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out)
 

@@ -69,6 +69,7 @@ class KernelSpec:
     block_n: int
     max_tiles: int
     aliased: bool
+    check_bounds: bool = False  # Count out-of-range accesses (interpret mode only; see _Memory).
 
     @property
     def swap_ab(self) -> bool:
@@ -280,6 +281,52 @@ def _raster(pid, *, num_tiles: int, num_n_tiles: int, group_t: int):
     return first_t + local % rows_here, local // rows_here
 
 
+class _Memory:
+    """The kernel's loads and stores, optionally counting those that leave their buffer.
+
+    Pallas' interpreter clamps out-of-range indices the way ``dynamic_slice`` does, so an
+    interpreted kernel that reads past a buffer still gives plausible numbers while the
+    compiled one reads foreign memory or faults. With ``KernelSpec.check_bounds`` every access
+    first adds to a one-element output the number of its lanes whose index lies outside the
+    ref's shape in any dimension, masked-off lanes excluded, using the very index and mask it
+    then accesses with. Without it, :meth:`read` and :meth:`write` are the plain accesses.
+    """
+
+    def __init__(self, count_ref):
+        self.count_ref = count_ref
+
+    def read(self, ref, *index, mask=None, other=None):
+        """``ref[index]``; ``index`` has one scalar or ``pl.ds`` per dimension of ``ref``."""
+        self._count(ref, index, mask)
+        if mask is None:
+            return ref[index]
+        return plgpu.load(ref.at[index], mask=mask, other=other)
+
+    def write(self, ref, *index, value, mask):
+        self._count(ref, index, mask)
+        plgpu.store(ref.at[index], value, mask=mask)
+
+    def _count(self, ref, index, mask):
+        if self.count_ref is None:
+            return
+        lanes = [i.size for i in index if isinstance(i, pl.Slice)]
+        outside = jnp.zeros((), bool)
+        position = 0
+        for dim, i in zip(ref.shape, index, strict=True):
+            if isinstance(i, pl.Slice):
+                shape = [1] * len(lanes)
+                shape[position] = i.size
+                at = (i.start + jnp.arange(i.size, dtype=jnp.int32)).reshape(shape)
+                position += 1
+            else:
+                at = jnp.asarray(i, jnp.int32)
+            outside = outside | (at < 0) | (at >= dim)
+        outside = jnp.broadcast_to(outside, tuple(lanes))
+        if mask is not None:
+            outside = outside & mask
+        self.count_ref[0] += jnp.sum(outside, dtype=jnp.int32)
+
+
 def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: KernelSpec):
     match spec.weights:
         case WeightFormat.BF16:
@@ -290,30 +337,30 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
             weight_refs = (packed_ref, scales_ref)
         case _:
             assert_never(spec.weights)
-    out_ref = rest[-1]  # With aliasing, rest[0] is the same buffer as an input.
+    # Outputs come last; aliased inputs before them are the same buffers.
+    out_ref, count_ref = (rest[-2], rest[-1]) if spec.check_bounds else (rest[-1], None)
+    memory = _Memory(count_ref)
 
     cfg = spec.config
     bm, bn, bk = cfg.block_m, spec.block_n, spec.block_k
     num_n_tiles = spec.n_out // bn
     t, j = _raster(pl.program_id(0), num_tiles=spec.max_tiles, num_n_tiles=num_n_tiles, group_t=cfg.group_t)
-    expert = tile_expert_ref[t]
-    row_start = tile_start_ref[t]
-    row_end = tile_end_ref[t]
+    expert, row_start, row_end = (memory.read(ref, t) for ref in (tile_expert_ref, tile_start_ref, tile_end_ref))
     n_start = pl.multiple_of(j * bn, bn)
     halves = (0, spec.n_out) if spec.op is Op.GATE_UP_SWIGLU else (0,)
 
     def load_scales(row0, i):
         k_blocks = pl.multiple_of(i * (bk // _BLOCK), bk // _BLOCK)
-        return weight_refs[1][expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK)]
+        return memory.read(weight_refs[1], expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK))
 
     def load_weight(row0, i, scales):
         # Offsets as i * width (not k0 // 2): Triton cannot see the alignment of a floor division.
         match spec.weights:
             case WeightFormat.BF16:
-                return weight_refs[0][expert, pl.ds(row0, bn), pl.ds(pl.multiple_of(i * bk, bk), bk)]
+                return memory.read(weight_refs[0], expert, pl.ds(row0, bn), pl.ds(pl.multiple_of(i * bk, bk), bk))
             case WeightFormat.NVFP4:
                 k_bytes = pl.multiple_of(i * (bk // 2), bk // 2)
-                packed = weight_refs[0][expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2)]
+                packed = memory.read(weight_refs[0], expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2))
                 if scales is None:  # Not loaded first (KernelSpec.scales_first).
                     scales = load_scales(row0, i)
                 return dequantize_tile(packed, scales, spec.dequant, spec.order)
@@ -328,7 +375,7 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         def body(i, accs):
             scales = [load_scales(n_start + half, i) if spec.scales_first else None for half in halves]
             k0 = pl.multiple_of(i * bk, bk)
-            x_mk = plgpu.load(x_ref.at[pl.ds(row_start, bm), pl.ds(k0, bk)], mask=row_ok_m[:, None], other=0.0)
+            x_mk = memory.read(x_ref, pl.ds(row_start, bm), pl.ds(k0, bk), mask=row_ok_m[:, None], other=0.0)
             new = []
             for acc, half, scales_nb in zip(accs, halves, scales):
                 w_nk = load_weight(n_start + half, i, scales_nb)
@@ -340,7 +387,7 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in halves)
         accs = jax.lax.fori_loop(0, spec.k // bk, body, accs)
         if spec.weights is WeightFormat.NVFP4:
-            factor = global_scale_ref[expert] * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
+            factor = memory.read(global_scale_ref, expert) * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
             accs = tuple(acc * factor for acc in accs)
         match spec.op:
             case Op.MATMUL:
@@ -352,8 +399,25 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
                 assert_never(spec.op)
         if spec.swap_ab:
             y = y.T
-        plgpu.store(out_ref.at[pl.ds(row_start, bm), pl.ds(n_start, bn)], y.astype(out_ref.dtype),
-                    mask=row_ok_m[:, None])
+        memory.write(out_ref, pl.ds(row_start, bm), pl.ds(n_start, bn), value=y.astype(out_ref.dtype),
+                     mask=row_ok_m[:, None])
+
+
+def _same_varying_axes(operands):
+    """Types every operand as varying over the union of their ``shard_map`` axes (a no-op
+    cast) and returns them with that set, which the output then carries.
+
+    Under ``shard_map(check_vma=True)`` a ``pallas_call`` must say how its outputs vary: wherever
+    any input does (the expert weights vary over the expert axis only, the rows over every
+    axis). Outside ``shard_map`` the set is empty and nothing is cast.
+    """
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
+    cast = tuple(
+        jax.lax.pcast(a, tuple(sorted(missing)), to="varying")
+        if (missing := varying - jax.typeof(a).manual_axis_type.varying) else a
+        for a in operands
+    )
+    return cast, varying
 
 
 def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret: bool):
@@ -369,18 +433,28 @@ def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret
       interpret: run in Pallas interpret mode.
 
     Returns:
-      bf16 ``[M, n_out]``.
+      bf16 ``[M, n_out]``; with ``spec.check_bounds``, also the int32 ``[1]`` count of accesses
+      outside their buffers (:class:`_Memory`).
     """
+    if spec.check_bounds and not interpret:
+        raise ValueError("check_bounds: True needs interpret=True (the count is an interpreter check)")
     operands = (*schedule, x_mk, *weight_arrays)
+    out_shapes = [((spec.num_rows, spec.n_out), jnp.bfloat16)]
     aliases = {}
     if out_mn is not None:
-        aliases = {len(operands): 0}
+        aliases[len(operands)] = 0
         operands = (*operands, out_mn)
+    if spec.check_bounds:
+        aliases[len(operands)] = 1  # The count starts at zero.
+        operands = (*operands, jnp.zeros((1,), jnp.int32))
+        out_shapes.append(((1,), jnp.int32))
     num_programs = spec.max_tiles * (spec.n_out // spec.block_n)
     name = f"grouped_{spec.op.value}_{spec.weights.value}_{spec.variant.value}"
+    operands, varying = _same_varying_axes(operands)
+    manual = jax.sharding.ManualAxisType(varying=varying)
     call = pl.pallas_call(
         functools.partial(_kernel, spec=spec),
-        out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual) for shape, dtype in out_shapes],
         grid=(num_programs,),
         input_output_aliases=aliases,
         interpret=interpret,
@@ -388,4 +462,5 @@ def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret
         name=name,
     )
     with jax.named_scope(name):
-        return call(*operands)
+        outs = call(*operands)
+    return tuple(outs) if spec.check_bounds else outs[0]

@@ -2,6 +2,8 @@
 
 Every case draws fresh random inputs (the ``rng`` fixture), compares only the rows whose
 output is defined, and passes a NaN-poisoned ``out=`` buffer so an unwritten tile fails.
+In interpret mode the kernels also count every load and store lane outside its buffer
+(``check_bounds``), which must be zero: the interpreter itself would clamp such an index.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CASES = {
     "m_not_a_tile_multiple": Case(m=37, k=64, n=48, groups=(20, 9, 8)),
     "all_rows_in_one_group": Case(m=40, k=128, n=32, groups=(0, 40, 0)),
     "minimum_k_and_n": Case(m=5, k=64, n=16, groups=(3, 0, 2)),
+    "last_expert_empty_and_padding_rows": Case(m=37, k=64, n=32, groups=(9, 20, 0)),
+    # Malformed group sizes must not move any access out of bounds either.
+    "groups_sum_past_the_rows": Case(m=40, k=64, n=32, groups=(30, 30)),
+    "negative_group_size": Case(m=24, k=64, n=32, groups=(-5, 12, 7)),
 }
 # Multi-step K loops and several tiles per expert, native only (interpret mode is too slow).
 GPU_CASES = {
@@ -81,7 +87,10 @@ def _run_case(rng, case: Case, fmt: str, op: Op, variant: Variant, *, compute_ca
     x, w, group_sizes = _inputs(rng, case, fmt, op)
     poisoned = jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16)
     out = run(op, x, w, group_sizes, compute_capability=compute_capability, interpret=interpret, out=poisoned,
-              variant=variant)
+              variant=variant, check_bounds=interpret)
+    if interpret:
+        out, out_of_bounds = out
+        assert int(out_of_bounds[0]) == 0, f"{int(out_of_bounds[0])} load/store lanes outside their buffers"
     _check(out, _reference(op, x, w, group_sizes), padding_poisoned=True)
 
 
@@ -145,6 +154,34 @@ def test_poisoned_output_detects_an_unwritten_tile(rng):
                          out=jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16))
     with pytest.raises(AssertionError, match="unwritten"):
         _check(out, reference.grouped_matmul(x, w, group_sizes), padding_poisoned=False)  # ... than the reference.
+
+
+def test_bounds_check_sees_a_broken_schedule(rng, monkeypatch):
+    """The bounds check itself: a tile schedule that forgets to cut rows at M makes the kernel
+    read x and write out past their last row, which the interpreter alone would clamp."""
+    case = CASES["groups_sum_past_the_rows"]
+    x, w, group_sizes = _inputs(rng, case, "nvfp4", Op.MATMUL)
+    schedule = triton_backend.tile_schedule
+
+    def unclipped(group_sizes_e, *, num_rows, block_m, num_tiles):
+        return schedule(group_sizes_e, num_rows=2**30, block_m=block_m, num_tiles=num_tiles)
+
+    monkeypatch.setattr(triton_backend, "tile_schedule", unclipped)
+    jax.clear_caches()  # The kernel is jit-cached by its spec: retrace with the broken schedule.
+    try:
+        _, out_of_bounds = run(Op.MATMUL, x, w, group_sizes, compute_capability=90, interpret=True,
+                               check_bounds=True)
+    finally:
+        jax.clear_caches()
+    # Expert 1 now owns rows 30..59 of a 40-row x: storing its rows 40..59 alone is 20 x N lanes
+    # outside out (the reads of x add more, as many as the tiling makes).
+    assert int(out_of_bounds[0]) >= 20 * case.n
+
+
+def test_bounds_check_needs_interpret_mode(rng):
+    x, w, group_sizes = _inputs(rng, CASES["minimum_k_and_n"], "bf16", Op.MATMUL)
+    with pytest.raises(ValueError, match="check_bounds"):
+        run(Op.MATMUL, x, w, group_sizes, compute_capability=90, check_bounds=True)
 
 
 def test_public_functions_interpret(rng):

@@ -77,8 +77,8 @@ class KernelSpec:
 
         Decode needs it (a few rows per expert still fill 64-row MMAs); NVFP4 always takes it,
         so the dequantized tile goes from registers straight into the MMA in fragment order.
-        (Measured on an H200 with XLA's Triton: NVFP4 staged through shared memory in memory
-        order as the B operand came out wrong, relative error 1.2; see benchmarks/NOTES.md.)
+        (NVFP4 staged through shared memory as the B operand gave wrong results on an H200:
+        benchmarks/NOTES.md, "A correctness problem found on the H200".)
         """
         return self.variant is Variant.DECODE or self.weights is WeightFormat.NVFP4
 
@@ -87,11 +87,10 @@ class KernelSpec:
         """Whether each K step loads the NVFP4 block scales before ``x`` and the codes.
 
         XLA's Triton keeps this small load in registers (no cp.async stage) and issues it where
-        the kernel body does. Issued after x and the codes, it was waited for at the top of every
-        step (ncu, decode: a long-scoreboard stall with 16% of the samples); issued first, the
-        step's other work covers it. Measured on an H200 (benchmarks/NOTES.md): decode 433 vs
-        470 us, fused decode 460 vs 524, prefill 1558 vs 1637 (M=8192), but the fused prefill
-        (two weight halves) got slower, 2621 vs 2293, so it keeps the old order.
+        the kernel body does. Issued after x and the codes, it is waited for at the top of every
+        step; issued first, the step's other work covers it. That was faster on an H200 for every
+        NVFP4 kernel but the fused prefill (two weight halves), which keeps the old order
+        (benchmarks/NOTES.md, "Scale loads: what changed in this round, measured").
         """
         return self.weights is WeightFormat.NVFP4 and not (
             self.variant is Variant.PREFILL and self.op is Op.GATE_UP_SWIGLU)
@@ -214,8 +213,8 @@ class Order(enum.Enum):
     the 4 packed bytes a thread's MMA A-fragment needs (mma.m16n8k16 and wgmma with A in
     registers: columns ``2q, 2q+1, 2q+8, 2q+9`` of each k16 step) next to each other, and
     pairs the two bf16 an asm output register holds as the fragment pairs them. In memory
-    order Triton gathers those bytes one at a time and re-pairs every register (measured:
-    1742 instead of 1083 SASS instructions per 128x256 tile and K step on SM90).
+    order Triton gathers those bytes one at a time and re-pairs every register (the SASS
+    counts are in benchmarks/NOTES.md, "What was built").
     """
 
     MODELOPT = "modelopt"

@@ -17,8 +17,9 @@ Measures, in one run:
 Bandwidth is bytes sent to *other* devices per device over the time: for an exchange the
 payload rows of dispatch plus combine; for the references their rows times ``(D - 1) / D``.
 
-Timing: each program is compiled and run twice, then called ``--iters`` times back to back
-(JAX dispatch is asynchronous) and blocked on once; the time is the wall time over the calls.
+Timing: each program is compiled and run twice, then timed in 5 windows of ``--iters`` calls
+back to back (JAX dispatch is asynchronous), each blocked on once; the time per call is the
+median window's wall time over its calls.
 
 Usage::
 
@@ -37,6 +38,7 @@ import os
 import pathlib
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,8 +107,13 @@ def measure_nccl(world: int, rows_list: list[int], hidden: int, iters: int) -> l
 # --- JAX -------------------------------------------------------------------------------------------
 
 
-def timed(fn, *args, iters: int, compiler_options=None):
-    """(seconds per call, compile seconds) of ``jax.jit(fn)`` on ``args``."""
+def timed(fn, *args, iters: int, compiler_options=None, windows: int = 5):
+    """(seconds per call, compile seconds) of ``jax.jit(fn)`` on ``args``.
+
+    After two warm-up calls, ``windows`` windows of ``iters`` back-to-back calls (JAX dispatch
+    is asynchronous, so the device never waits for the host inside a window) are each blocked
+    on once; the time is the median window over ``iters``.
+    """
     import jax
 
     start = time.perf_counter()
@@ -114,11 +121,14 @@ def timed(fn, *args, iters: int, compiler_options=None):
     compile_s = time.perf_counter() - start
     for _ in range(2):
         jax.block_until_ready(compiled(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = compiled(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters, compile_s
+    per_call = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call), compile_s
 
 
 def uniform_routing(key, tokens: int, num_experts: int, top_k: int):
@@ -142,9 +152,8 @@ def exchange_benchmarks(ep: int, tokens: int, shape: dict, iters: int, smoke: bo
     from jax.sharding import PartitionSpec as P
 
     import sharding
-    from moe_jax.exchange import RAGGED_MIN_UPDATES_PER_PEER
-    from sharding.expert_parallel import BUCKET_FACTORS
-    from sharding.plan import buffer_buckets
+    from sharding.exchange.layout import BUCKET_FACTORS, buffer_buckets
+    from sharding.exchange.ragged import RAGGED_MIN_UPDATES_PER_PEER
 
     e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
     mesh = sharding.make_mesh(ep, devices=jax.devices()[:ep])
@@ -451,7 +460,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--exchange-tokens", type=int, nargs="+", default=[16, 4096], help="tokens per device")
-    parser.add_argument("--layer-tokens", type=int, nargs="+", default=[32, 512], help="tokens in all")
+    parser.add_argument("--layer-tokens", type=int, nargs="+", default=[32, 512, 8192], help="tokens in all")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--layer-iters", type=int, default=5)
     parser.add_argument("--exchanges", nargs="+", default=["ragged", "padded", "allgather"])
@@ -497,7 +506,7 @@ def main():
     import jax
 
     import moe_jax
-    from moe_jax.exchange import RAGGED_MIN_UPDATES_PER_PEER
+    from sharding.exchange.ragged import RAGGED_MIN_UPDATES_PER_PEER
 
     devices = jax.devices()
     results.update(device=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,

@@ -4,18 +4,44 @@ Start with :class:`MoEConfig`, :func:`resolve` and :func:`moe_forward` (or the F
 module :class:`MoE`). ``moe-jax explain --preset kimi_k2`` prints what would run where.
 """
 
+import importlib
+
 from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
-from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM
-from moe_jax.layer import (
-    check_params, init_params, moe_forward, param_shapes, param_shardings, quantize_params,
-    reference_forward, shard_params,
-)
-from moe_jax.module import MoE
 from moe_jax.nvfp4 import NVFP4Tensor
+from moe_jax.plan import Plan
 from moe_jax.registry import Implementation, Registry, Target
-from moe_jax.resolve import Plan, ResolutionError, resolve
+from moe_jax.resolve import ResolutionError, resolve
+
+# The registries, the layer and the module load the kernels, the collectives and Flax: they
+# are imported on first use (PEP 562), so that importing the package or its config does not.
+_LAZY = {
+    "EXCHANGE": "moe_jax.exchange",
+    "EXPERT_GEMM": "moe_jax.experts",
+    "MoE": "moe_jax.module",
+    **dict.fromkeys(
+        ("check_params", "init_params", "moe_forward", "param_shapes", "param_shardings", "quantize_params",
+         "reference_forward", "shard_params"),
+        "moe_jax.layer",
+    ),
+}
+_SUBMODULES = ("exchange", "experts", "layer", "module")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"moe_jax.{name}")
+    else:
+        raise AttributeError(f"module 'moe_jax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
 
 __all__ = [
     "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan", "Registry",

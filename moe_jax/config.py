@@ -1,8 +1,10 @@
 """``MoEConfig``: what a layer is, and which implementations it asks for.
 
 A frozen, keyword-only, hashable dataclass (usable as a static ``jit`` argument), validated
-in ``__post_init__``; ``dataclasses.replace`` re-validates. The allowed values of
-``expert_gemm`` and ``exchange`` are read from the registries that dispatch uses.
+in ``__post_init__``; ``dataclasses.replace`` re-validates. ``expert_gemm`` and ``exchange``
+are only checked to be names here: :func:`moe_jax.resolve` checks them against the
+registries that dispatch reads (``moe_jax.EXPERT_GEMM``, ``moe_jax.EXCHANGE``), so this module
+loads no kernels and no collectives.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ import dataclasses
 import math
 from typing import Literal, get_args
 
-from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM
-from moe_jax.registry import AUTO
+from moe_jax.auto import AUTO
 
 Scoring = Literal["softmax", "sigmoid"]
 WeightFormat = Literal["bf16", "nvfp4"]
@@ -48,9 +48,10 @@ class MoEConfig:
       weight_format: expert weights in ``"bf16"`` or ``"nvfp4"`` (ModelOpt layout).
       dtype: activation dtype.
 
-    Implementations (each ``"auto"`` or a registered name; see ``moe-jax explain``):
-      expert_gemm: the grouped expert MLP, one of ``EXPERT_GEMM.names()``.
-      exchange: the expert-parallel token exchange, one of ``EXCHANGE.names()``.
+    Implementations (each ``"auto"`` or a registered name, checked by ``resolve``; see
+    ``moe-jax explain``):
+      expert_gemm: the grouped expert MLP, one of ``moe_jax.EXPERT_GEMM.names()``.
+      exchange: the expert-parallel token exchange, one of ``moe_jax.EXCHANGE.names()``.
       interpret: run Pallas kernels in the Pallas interpreter, which lets them run on CPU;
         slow, for tests and debugging, never chosen on its own.
 
@@ -104,11 +105,12 @@ class MoEConfig:
             ("scoring", get_args(Scoring)),
             ("weight_format", get_args(WeightFormat)),
             ("dtype", get_args(ActivationDtype)),
-            ("expert_gemm", (AUTO, *EXPERT_GEMM.names())),
-            ("exchange", (AUTO, *EXCHANGE.names())),
         ):
             if getattr(self, field) not in allowed:
                 _fail(field, getattr(self, field), f"must be one of {', '.join(map(repr, allowed))}")
+        for field in ("expert_gemm", "exchange"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                _fail(field, getattr(self, field), f"must be a non-empty string: {AUTO!r} or a registered name")
         for field in ("normalize", "router_bias", "interpret"):
             if type(getattr(self, field)) is not bool:
                 _fail(field, getattr(self, field), "must be a bool")

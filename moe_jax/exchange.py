@@ -1,40 +1,20 @@
-"""The token exchange stage: how rows reach the experts that own them, and come back.
+"""The token exchange stage's registry: which exchanges exist, where each can run, and the
+order ``auto`` tries them in.
 
-Every implementation has the signature::
-
-    run(x_th, ids_tk, weights_tk, expert_fn, *, num_experts, axis_name, capacity_factor)
-        -> (y_th float32 [T, H], dropped int32 [])
-
-and is called inside the layer's ``shard_map`` body (or directly, without a mesh, for
-``none``). ``expert_fn(x_mh, group_sizes_e) -> y_mh`` runs this device's experts on rows
-sorted by local expert. ``weights_tk`` are the combine weights; ``dropped`` counts the
-(token, slot) assignments a capacity dropped on this device.
+The exchanges themselves live in :mod:`sharding.exchange`, one module each, with the
+signature they share; dispatch calls ``EXCHANGE[name].run`` inside the layer's
+``shard_map`` body (or directly, without a mesh, for ``none``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
-
-import sharding
 from moe_jax.registry import Implementation, Registry, Target
+from sharding.exchange import allgather_exchange, local_exchange, padded_exchange, ragged_exchange
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
-
-
-def local_exchange(x_th, ids_tk, weights_tk, expert_fn, *, num_experts, axis_name, capacity_factor):
-    """No exchange: all experts are on this device."""
-    del axis_name
-    rows = ids_tk.size
-    capacity = None if capacity_factor is None else math.ceil(capacity_factor * rows)
-    x_ch, group_sizes_e, order_m = sharding.dispatch(x_th, ids_tk, num_experts, capacity=capacity)
-    y_th = sharding.combine(expert_fn(x_ch, group_sizes_e), order_m, weights_tk)
-    # Padding tokens (id num_experts) sort last: only real rows past the capacity count.
-    return y_th, (jnp.sum(ids_tk < num_experts) - jnp.sum(group_sizes_e)).astype(jnp.int32)
 
 
 def _none_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -42,29 +22,6 @@ def _none_cannot_run(target: Target, config: MoEConfig) -> str | None:
     if target.expert_parallel != 1:
         return f"the expert axis has {target.expert_parallel} devices; 'none' keeps all experts on one"
     return None
-
-
-#: Ragged updates per peer that XLA's single-process GPU kernel needs to spread a transfer
-#: over enough thread blocks (it gives each update its own blocks). 2 H200s, 235 MB per peer:
-#: 1 update 2.7 GB/s, 128 updates 172-174, 512 and 2048 updates 191-192 (benchmarks/NOTES.md).
-RAGGED_MIN_UPDATES_PER_PEER = 512
-
-
-def ragged_exchange(x_th, ids_tk, weights_tk, expert_fn, *, num_experts, axis_name, capacity_factor):
-    """``jax.lax.ragged_all_to_all`` (see :func:`sharding.expert_parallel.ragged_exchange`).
-
-    On GPUs in one process XLA runs ``ragged_all_to_all`` as one copy kernel whose thread
-    blocks are split by update, so updates are sliced up to
-    :data:`RAGGED_MIN_UPDATES_PER_PEER` per peer. Across processes XLA issues one NCCL
-    send/receive per update, and TPUs have their own implementation: there they are not
-    sliced (neither measured here).
-    """
-    one_kernel = jax.default_backend() == "gpu" and jax.process_count() == 1
-    return sharding.ragged_exchange(
-        x_th, ids_tk, weights_tk, expert_fn, num_experts=num_experts, axis_name=axis_name,
-        capacity_factor=capacity_factor,
-        min_updates_per_peer=RAGGED_MIN_UPDATES_PER_PEER if one_kernel else 1,
-    )
 
 
 def _without_mesh(target: Target) -> str | None:
@@ -94,7 +51,8 @@ def _anywhere(target: Target, config: MoEConfig) -> str | None:
 
 
 #: Up to this many tokens per device, ``auto`` prefers ``allgather`` on GPUs: latency, not
-#: bytes, decides there (measured: benchmarks/results/expert_parallel.md).
+#: bytes, decides there (benchmarks/NOTES.md, "Expert parallelism", "What the numbers say",
+#: items 3 and 4).
 ALLGATHER_MAX_TOKENS_PER_DEVICE = 64
 
 
@@ -146,13 +104,13 @@ EXCHANGE = Registry(
             name="padded",
             summary="dense all_to_all of per-peer buffers sized by lax.switch to the load; dropless; any backend",
             cannot_run=_anywhere,
-            run=sharding.padded_exchange,
+            run=padded_exchange,
         ),
         Implementation(
             name="allgather",
             summary="all_gather tokens, local experts, reduce-scatter (float32); dropless; fewest bytes for EP < 2k/3",
             cannot_run=_anywhere,
-            run=sharding.allgather_exchange,
+            run=allgather_exchange,
         ),
     ),
     auto_order=_auto_order,

@@ -13,7 +13,8 @@ from jax.sharding import AbstractMesh, Mesh
 from moe_jax.config import MoEConfig
 from moe_jax.layer import Params, check_params, init_params, moe_forward, shard_params
 from moe_jax.nvfp4 import NVFP4Tensor
-from moe_jax.resolve import Plan, resolve
+from moe_jax.plan import Plan
+from moe_jax.resolve import resolve
 
 
 class QuantizedWeight(nnx.Variable):

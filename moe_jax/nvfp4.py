@@ -135,9 +135,9 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
 
     Concrete inputs are quantized on the host CPU, where the result is verified bit for bit
     against an independent implementation of ModelOpt's recipe, and the result is put back where
-    ``w`` was. On an H200, XLA:GPU's version of the same float32 arithmetic changed a
-    few codes (benchmarks/NOTES.md), so a one-time conversion does not run there. Traced
-    inputs (inside ``jit``) run where the computation runs.
+    ``w`` was. On an H200, XLA:GPU's version of the same float32 arithmetic changed a few
+    codes (benchmarks/NOTES.md, "NVFP4 quantization on a GPU"), so a one-time conversion does
+    not run there. Traced inputs (inside ``jit``) run where the computation runs.
 
     Raises:
       ValueError: rank < 2, K not a multiple of 16, a non-floating dtype, or (for concrete

@@ -1,10 +1,13 @@
-"""Implementation registries: one per stage, read by both the config schema and dispatch.
+"""Implementation registries: one per stage, read by both resolution (the schema) and dispatch.
 
 Each :class:`Implementation` declares what it can run on as a pure function of a
 :class:`Target` and the config that returns ``None`` when it can run and a reason when it
-cannot. :class:`MoEConfig` accepts exactly ``("auto", *registry.names())`` for a stage, and
-dispatch calls ``registry[name].run``: the schema and the dispatch table are one object, so
-they cannot drift.
+cannot. :func:`moe_jax.resolve` accepts exactly ``("auto", *registry.names())`` for a stage,
+and dispatch calls ``registry[name].run``: the schema and the dispatch table are one object,
+so they cannot drift.
+
+The registries themselves live with their stages (``moe_jax.experts``, ``moe_jax.exchange``);
+this module imports the config for type checking only.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from moe_jax.auto import AUTO
+
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
-
-AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,24 +1,24 @@
 """Resolution: config + devices -> one implementation per stage, with a readable report.
 
-Resolution happens once, before tracing, in plain Python. An explicit choice that cannot run
-raises :class:`ResolutionError` with the implementation's own reason; ``auto`` picks exactly
-one and says why; nothing falls back.
+Resolution happens once, before tracing, in plain Python. A name no registry holds, or an
+explicit choice that cannot run, raises :class:`ResolutionError` (the latter with the
+implementation's own reason); ``auto`` picks exactly one and says why; nothing falls back.
+
+The registries (hence the kernels and the collectives) are imported when :func:`resolve` first
+runs, not with this module, so that ``import moe_jax`` and the config stay light.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from moe_jax.auto import AUTO
 from moe_jax.config import MoEConfig
-from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM
-from moe_jax.registry import AUTO, Registry, Target
-
-STAGES: tuple[Registry, ...] = (EXPERT_GEMM, EXCHANGE)
+from moe_jax.plan import Decision, Plan
+from moe_jax.registry import Registry, Target
 
 # device_kind -> compute capability, for devices that do not report one (abstract devices
 # used to cross-compile, e.g. for an RTX PRO 6000 on a machine without it).
@@ -32,66 +32,6 @@ _KNOWN_CAPABILITIES = (
 
 class ResolutionError(ValueError):
     """An explicit choice cannot run on the target, or ``auto`` found nothing that can."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What resolution decided for one stage."""
-
-    stage: str
-    requested: str
-    chosen: str
-    why: str
-    rejected: tuple[tuple[str, str], ...]  # (name, reason) for every implementation not chosen
-
-    def lines(self) -> list[str]:
-        out = [f"  {self.stage}: {self.chosen}  (requested {self.requested!r}; {self.why})"]
-        out += [f"      not {name}: {reason}" for name, reason in self.rejected]
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The resolved layer: its config, the chosen implementation of each stage, and where.
-
-    Hashable, so it can be a static argument of ``jax.jit``. ``str(plan)`` is the report.
-    """
-
-    config: MoEConfig
-    target: Target
-    decisions: tuple[Decision, ...]
-    mesh: Mesh | AbstractMesh | None = None
-
-    def chosen(self, stage: str) -> str:
-        for decision in self.decisions:
-            if decision.stage == stage:
-                return decision.chosen
-        raise KeyError(stage)
-
-    @property
-    def expert_gemm(self) -> str:
-        return self.chosen(EXPERT_GEMM.stage)
-
-    @property
-    def exchange(self) -> str:
-        return self.chosen(EXCHANGE.stage)
-
-    def scope(self, stage: str) -> str:
-        """The ``jax.named_scope`` that marks this stage's chosen implementation in the HLO."""
-        return f"moe_jax.{stage}.{self.chosen(stage)}"
-
-    @property
-    def report(self) -> str:
-        cfg = self.config
-        head = (
-            f"moe-jax plan: {cfg.num_experts} experts, top-{cfg.top_k}, hidden {cfg.hidden_size}, "
-            f"expert intermediate {cfg.expert_intermediate_size}, {cfg.weight_format} weights\n"
-            f"  target: {self.target.describe()}"
-        )
-        return "\n".join([head, *(line for d in self.decisions for line in d.lines())])
-
-    def __str__(self) -> str:
-        return self.report
 
 
 def compute_capability(device_kind: str, reported: str | None = None) -> int | None:
@@ -165,6 +105,23 @@ def target_for(
     )
 
 
+def stages() -> tuple[Registry, ...]:
+    """The registry of every stage, in report order (see :mod:`moe_jax.plan` for the names)."""
+    # Imported here, not with this module: the registries load the kernels and the collectives.
+    from moe_jax.exchange import EXCHANGE
+    from moe_jax.experts import EXPERT_GEMM
+
+    return EXPERT_GEMM, EXCHANGE
+
+
+def _check_registered(registry: Registry, requested: str) -> None:
+    if requested != AUTO and requested not in registry.names():
+        registered = ", ".join(map(repr, (AUTO, *registry.names())))
+        raise ResolutionError(
+            f"MoEConfig.{registry.stage} = {requested!r}: not a registered implementation; registered: {registered}"
+        )
+
+
 def _decide(registry: Registry, requested: str, target: Target, config: MoEConfig) -> Decision:
     reasons = {impl.name: impl.cannot_run(target, config) for impl in registry.implementations}
     if requested != AUTO:
@@ -209,10 +166,13 @@ def resolve(
       tokens_per_device: a size hint that lets ``auto`` pick by size.
 
     Raises:
-      ResolutionError: an explicit choice cannot run (with its reason), ``auto`` finds nothing,
-        or the mesh does not fit the config.
+      ResolutionError: a name no registry holds, an explicit choice that cannot run (with its
+        reason), ``auto`` finding nothing, or a mesh that does not fit the config.
     """
+    registries = stages()
+    for registry in registries:
+        _check_registered(registry, getattr(config, registry.stage))
     target = target_for(devices_or_mesh, config, training=training, tokens_per_device=tokens_per_device)
-    decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in STAGES)
+    decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in registries)
     mesh = devices_or_mesh if isinstance(devices_or_mesh, (Mesh, AbstractMesh)) else None
     return Plan(config=config, target=target, decisions=decisions, mesh=mesh)

@@ -4,13 +4,14 @@ Knows nothing about kernels or routers: callers pass routing results and the loc
 function. Imports flow one way: ``moe_jax`` imports ``sharding``, never the reverse.
 """
 
-from sharding.expert_parallel import allgather_exchange, padded_exchange, ragged_exchange
+from sharding.exchange import (
+    ExchangeLayout, allgather_exchange, exchange_layout, local_exchange, padded_exchange, ragged_exchange,
+)
 from sharding.local import clip_group_sizes, combine, dispatch, sort_by_expert
 from sharding.mesh import expert_parallel_rules, logical_to_spec, make_mesh, shard_tree, tree_specs
-from sharding.plan import ExchangePlan, plan_exchange
 
 __all__ = [
-    "ExchangePlan", "allgather_exchange", "clip_group_sizes", "combine", "dispatch", "expert_parallel_rules",
-    "logical_to_spec", "make_mesh", "padded_exchange", "plan_exchange", "ragged_exchange", "shard_tree",
-    "sort_by_expert", "tree_specs",
+    "ExchangeLayout", "allgather_exchange", "clip_group_sizes", "combine", "dispatch", "exchange_layout",
+    "expert_parallel_rules", "local_exchange", "logical_to_spec", "make_mesh", "padded_exchange", "ragged_exchange",
+    "shard_tree", "sort_by_expert", "tree_specs",
 ]

@@ -1,13 +1,15 @@
-"""MoEConfig: validation, presets, hashability, and the registry-derived allowed values."""
+"""MoEConfig: validation, presets, hashability, and implementation names checked against the
+registries when the config is resolved."""
 
 import dataclasses
+import re
 import typing
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig
+from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
 from moe_jax.config import ActivationDtype, Scoring, WeightFormat
 
 SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
@@ -59,8 +61,8 @@ def test_frozen_keyword_only_and_hashable_as_a_static_jit_argument():
         (dict(weight_format="int4"), "weight_format", "one of 'bf16', 'nvfp4'"),
         (dict(weight_format="nvfp4", hidden_size=40), "hidden_size", "multiple of 16 for NVFP4"),
         (dict(dtype="float16"), "dtype", "one of 'bfloat16', 'float32'"),
-        (dict(expert_gemm="cutlass"), "expert_gemm", "must be one of 'auto'"),
-        (dict(exchange="nccl"), "exchange", "must be one of 'auto'"),
+        (dict(expert_gemm=""), "expert_gemm", "must be a non-empty string: 'auto' or a registered name"),
+        (dict(exchange=None), "exchange", "must be a non-empty string: 'auto' or a registered name"),
         (dict(expert_axis=""), "expert_axis", "non-empty mesh axis name"),
         (dict(capacity_factor=-1.0), "capacity_factor", "None \\(dropless\\) or a finite number > 0"),
     ],
@@ -77,16 +79,23 @@ def test_replace_revalidates():
     assert dataclasses.replace(cfg, top_k=3).top_k == 3
 
 
-def test_allowed_values_are_exactly_the_registries():
-    """Schema and dispatch read one table: every registered name is accepted, nothing else is."""
+def test_allowed_values_are_exactly_the_registries(cpu_devices):
+    """Schema and dispatch read one table: ``resolve`` accepts every registered name (it runs,
+    or says why it cannot run here) and rejects every other, listing the registered ones."""
     for registry, field in ((EXPERT_GEMM, "expert_gemm"), (EXCHANGE, "exchange")):
         for name in registry.names():
-            assert getattr(MoEConfig(**SMALL, **{field: name}), field) == name
+            config = MoEConfig(**SMALL, **{field: name})
             assert callable(registry[name].run) and callable(registry[name].cannot_run)
-        for unregistered in ("AUTO", "Xla", "fallback", ""):
-            if unregistered not in registry.names():
-                with pytest.raises(ValueError, match=field):
-                    MoEConfig(**SMALL, **{field: unregistered})
+            try:
+                assert resolve(config, cpu_devices[:1]).chosen(field) == name
+            except ResolutionError as err:
+                assert f"MoEConfig.{field} = {name!r} cannot run on" in str(err)
+        registered = ", ".join(map(repr, ("auto", *registry.names())))
+        for unregistered in ("AUTO", "Xla", "fallback"):
+            config = MoEConfig(**SMALL, **{field: unregistered})  # a name: the registries judge it
+            message = f"MoEConfig.{field} = {unregistered!r}: not a registered implementation; registered: {registered}"
+            with pytest.raises(ResolutionError, match=f"^{re.escape(message)}$"):
+                resolve(config, cpu_devices[:1])
         with pytest.raises(KeyError, match="no implementation"):
             registry["not-registered"]
 

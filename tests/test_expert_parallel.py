@@ -204,7 +204,7 @@ def expected_with_capacity(params, x, config, ep, data):
     """float64 layer output and drop count when each device keeps its first ``C`` received rows.
 
     Receiver order is expert-major: local expert, then source device, then token (the
-    stable sort keeps token order), as :mod:`sharding.plan` defines it.
+    stable sort keeps token order), as :mod:`sharding.exchange.layout` defines it.
     """
     x64 = np.asarray(x, np.float64)
     tokens = x64.shape[0]

@@ -10,7 +10,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import moe_jax
 from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
-from moe_jax.resolve import compute_capability
+from moe_jax.plan import EXCHANGE_STAGE, EXPERT_GEMM_STAGE
+from moe_jax.resolve import compute_capability, stages
 
 SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
 RTX_PRO_6000 = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
@@ -40,6 +41,23 @@ def test_an_explicit_choice_that_cannot_run_raises_with_its_reason(cpu_devices):
     mesh = jax.make_mesh((2,), ("expert",), devices=cpu_devices[:2])
     with pytest.raises(ResolutionError, match="MoEConfig.exchange = 'none' cannot run on .*: the expert axis has 2 devices"):
         resolve(MoEConfig(**SMALL, exchange="none"), mesh)
+
+
+def test_the_plan_names_each_registered_stage():
+    """``Plan.expert_gemm`` / ``Plan.exchange`` read the stages the registries declare."""
+    assert tuple(r.stage for r in stages()) == (EXPERT_GEMM_STAGE, EXCHANGE_STAGE) == (EXPERT_GEMM.stage, EXCHANGE.stage)
+    plan = resolve(MoEConfig(**SMALL))
+    assert (plan.expert_gemm, plan.exchange) == tuple(d.chosen for d in plan.decisions)
+
+
+def test_an_unregistered_name_raises_at_resolution_naming_the_registered_ones():
+    config = MoEConfig(**SMALL, expert_gemm="foo")  # the config holds a name; resolve checks it
+    with pytest.raises(ResolutionError) as err:
+        resolve(config)
+    assert str(err.value) == "MoEConfig.expert_gemm = 'foo': not a registered implementation; registered: 'auto', 'pallas', 'xla'"
+    # Checked before the devices: the name is wrong wherever the layer would run.
+    with pytest.raises(ResolutionError, match="MoEConfig.exchange = 'nccl': not a registered implementation"):
+        resolve(MoEConfig(**SMALL, exchange="nccl"), abstract_mesh("NVIDIA H200", ep=3))
 
 
 def test_every_implementation_that_can_run_here_runs_when_asked_and_is_stamped_in_the_hlo(rng):

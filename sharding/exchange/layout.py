@@ -1,4 +1,5 @@
-"""Planning the expert-parallel exchange: pure functions of row counts.
+"""The layout of an expert-parallel exchange: pure functions of row counts, shared by the
+exchanges and unit-tested on their own.
 
 Dimension letters: ``s`` source device and ``d`` destination device (both along the expert
 axis, ``D`` devices), ``e`` local expert (``E_l = E / D`` per device; global expert
@@ -34,8 +35,8 @@ def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ExchangePlan:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExchangeLayout:
     """One device's view of an exchange; all int32.
 
     Forward (tokens to experts), this device as sender, per destination ``d`` and its local
@@ -68,8 +69,8 @@ class ExchangePlan:
     max_sent_per_peer: jax.Array
 
 
-def plan_exchange(counts_sde: jax.Array, device: jax.Array | int, capacity: int | None = None) -> ExchangePlan:
-    """Plans the exchange from every device's row counts.
+def exchange_layout(counts_sde: jax.Array, device: jax.Array | int, capacity: int | None = None) -> ExchangeLayout:
+    """Where every row of the exchange goes, from every device's row counts.
 
     Args:
       counts_sde: int ``[D, D, E_l]``: rows device ``s`` routes to local expert ``e`` of
@@ -80,7 +81,7 @@ def plan_exchange(counts_sde: jax.Array, device: jax.Array | int, capacity: int 
         expert-major order (see the module docstring); None keeps all.
 
     Returns:
-      this device's :class:`ExchangePlan`. Every device computes the same global
+      this device's :class:`ExchangeLayout`. Every device computes the same global
       quantities, so senders and receivers agree on sizes and offsets without more
       communication.
     """
@@ -100,7 +101,7 @@ def plan_exchange(counts_sde: jax.Array, device: jax.Array | int, capacity: int 
     start_sde = exclusive_cumsum(counts_sde.reshape(d, d * e_l), axis=1).reshape(d, d, e_l)
     received_d = jnp.sum(kept_sde, axis=(0, 2))
     recv_sizes_se = kept_sde[:, device]
-    return ExchangePlan(
+    return ExchangeLayout(
         send_sizes_de=kept_sde[device],
         input_offsets_de=start_sde[device],
         output_offsets_de=pos_sde[device],
@@ -177,13 +178,19 @@ def worst_case_received(tokens: int, top_k: int, devices: int, experts_per_devic
     Proof: each of the ``D`` devices on the expert axis routes ``T`` tokens; a token's
     ``k`` experts are distinct (top-k picks distinct indices), and at most ``E_l`` of them
     live on any one device, so a token sends at most ``min(k, E_l)`` rows to it. Padding
-    tokens send none. Should ids ever repeat within a token, the plan still never writes
+    tokens send none. Should ids ever repeat within a token, the layout still never writes
     past the buffer: the surplus is dropped and counted.
     """
     return devices * tokens * min(top_k, experts_per_device)
 
 
-def buffer_buckets(typical: int, worst: int, factors: tuple[float, ...], multiple: int = 8) -> tuple[int, ...]:
+#: Buffer sizes compiled besides the worst case, as multiples of the balanced load.
+BUCKET_FACTORS = (1.25, 2.0)
+
+
+def buffer_buckets(
+    typical: int, worst: int, factors: tuple[float, ...] = BUCKET_FACTORS, multiple: int = 8
+) -> tuple[int, ...]:
     """Increasing static buffer sizes to choose from at run time, the last ``worst``.
 
     Each ``factor * typical`` is rounded up to a multiple of ``multiple`` and capped at

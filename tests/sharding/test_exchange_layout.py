@@ -1,14 +1,15 @@
-"""The exchange planner against a numpy model of expert-major receive buffers, and the
-plan replayed through a numpy model of ``jax.lax.ragged_all_to_all``'s documented semantics."""
+"""The exchange layout against a numpy model of expert-major receive buffers, and the
+layout replayed through a numpy model of ``jax.lax.ragged_all_to_all``'s documented semantics."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sharding.plan import (
+from sharding.exchange.layout import (
+    BUCKET_FACTORS,
     bucket_index,
     buffer_buckets,
-    plan_exchange,
+    exchange_layout,
     segment_gather_index,
     split_updates,
     worst_case_received,
@@ -23,7 +24,7 @@ def random_counts(rng, devices, experts_per_device, skew):
     return counts
 
 
-def model_plan(counts_sde, capacity):
+def model_layout(counts_sde, capacity):
     """Row by row: each receiver lists its rows in (expert, source, row) order and keeps a prefix."""
     d, _, e_l = counts_sde.shape
     kept = np.zeros_like(counts_sde)
@@ -45,26 +46,26 @@ def model_plan(counts_sde, capacity):
 @pytest.mark.parametrize("devices,experts_per_device", [(1, 3), (2, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("capacity", [None, 0, 9, 40])
 @pytest.mark.parametrize("skew", [False, True])
-def test_plan_matches_row_model(rng, devices, experts_per_device, capacity, skew):
+def test_layout_matches_row_model(rng, devices, experts_per_device, capacity, skew):
     counts = random_counts(rng, devices, experts_per_device, skew)
-    kept, pos, start = model_plan(counts, capacity)
+    kept, pos, start = model_layout(counts, capacity)
     received = kept.sum(axis=(0, 2))
     for me in range(devices):
-        plan = plan_exchange(jnp.asarray(counts), me, capacity=capacity)
-        np.testing.assert_array_equal(plan.send_sizes_de, kept[me])
-        np.testing.assert_array_equal(plan.input_offsets_de, start[me])
-        np.testing.assert_array_equal(plan.recv_sizes_se, kept[:, me])
-        np.testing.assert_array_equal(plan.group_sizes_e, kept[:, me].sum(0))
-        np.testing.assert_array_equal(plan.return_offsets_se, start[:, me])
+        layout = exchange_layout(jnp.asarray(counts), me, capacity=capacity)
+        np.testing.assert_array_equal(layout.send_sizes_de, kept[me])
+        np.testing.assert_array_equal(layout.input_offsets_de, start[me])
+        np.testing.assert_array_equal(layout.recv_sizes_se, kept[:, me])
+        np.testing.assert_array_equal(layout.group_sizes_e, kept[:, me].sum(0))
+        np.testing.assert_array_equal(layout.return_offsets_se, start[:, me])
         # Offsets of segments that keep rows; empty segments may point anywhere.
         some = kept[me] > 0
-        np.testing.assert_array_equal(np.asarray(plan.output_offsets_de)[some], pos[me][some])
+        np.testing.assert_array_equal(np.asarray(layout.output_offsets_de)[some], pos[me][some])
         some = kept[:, me] > 0
-        np.testing.assert_array_equal(np.asarray(plan.recv_offsets_se)[some], pos[:, me][some])
-        assert int(plan.received) == received[me]
-        assert int(plan.dropped) == counts[:, me].sum() - received[me]
-        assert int(plan.max_received) == received.max()
-        assert int(plan.max_sent_per_peer) == kept.sum(axis=2).max()
+        np.testing.assert_array_equal(np.asarray(layout.recv_offsets_se)[some], pos[:, me][some])
+        assert int(layout.received) == received[me]
+        assert int(layout.dropped) == counts[:, me].sum() - received[me]
+        assert int(layout.max_received) == received.max()
+        assert int(layout.max_sent_per_peer) == kept.sum(axis=2).max()
 
 
 def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes):
@@ -94,7 +95,7 @@ def numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output
 def test_ragged_round_trip(rng, devices, experts_per_device, capacity, split):
     """Rows reach their expert's owner expert-major, and come back to where they started."""
     counts = random_counts(rng, devices, experts_per_device, skew=True)
-    kept, _, _ = model_plan(counts, capacity)
+    kept, _, _ = model_layout(counts, capacity)
     rows = counts.sum(axis=(1, 2)).max()
     buffer = int(kept.sum(axis=(0, 2)).max()) if capacity is None else capacity
     # Row value = (source, destination, expert, index) encoded, so placement is checkable.
@@ -103,8 +104,8 @@ def test_ragged_round_trip(rng, devices, experts_per_device, capacity, split):
         tags = [(s * 1000 + dd * 100 + e * 10) * 1000 + j
                 for dd in range(devices) for e in range(experts_per_device) for j in range(counts[s, dd, e])]
         sorted_rows.append(np.array(tags + [-1] * (rows - len(tags)), np.int64))
-    plans = [plan_exchange(jnp.asarray(counts), me, capacity=capacity) for me in range(devices)]
-    fwd = [split_updates(p.input_offsets_de, p.send_sizes_de, p.output_offsets_de, p.recv_sizes_se, split) for p in plans]
+    layouts = [exchange_layout(jnp.asarray(counts), me, capacity=capacity) for me in range(devices)]
+    fwd = [split_updates(p.input_offsets_de, p.send_sizes_de, p.output_offsets_de, p.recv_sizes_se, split) for p in layouts]
     received = numpy_ragged_all_to_all(
         sorted_rows, [np.full(buffer, -2, np.int64)] * devices, *[[np.asarray(f[i]) for f in fwd] for i in range(4)]
     )
@@ -113,7 +114,7 @@ def test_ragged_round_trip(rng, devices, experts_per_device, capacity, split):
                     for e in range(experts_per_device) for s in range(devices) for j in range(kept[s, r, e])]
         np.testing.assert_array_equal(received[r][:len(expected)], expected)
         assert (received[r][len(expected):] == -2).all()
-    back = [split_updates(p.recv_offsets_se, p.recv_sizes_se, p.return_offsets_se, p.send_sizes_de, split) for p in plans]
+    back = [split_updates(p.recv_offsets_se, p.recv_sizes_se, p.return_offsets_se, p.send_sizes_de, split) for p in layouts]
     returned = numpy_ragged_all_to_all(
         received, [np.full(rows, -3, np.int64)] * devices, *[[np.asarray(b[i]) for b in back] for i in range(4)]
     )
@@ -152,6 +153,7 @@ def test_worst_case_received_is_reached():
 def test_buffer_buckets_and_choice():
     buckets = buffer_buckets(100, 1000, (1.25, 2.0))
     assert buckets == (128, 200, 1000)
+    assert buffer_buckets(100, 1000) == buffer_buckets(100, 1000, BUCKET_FACTORS)
     assert buffer_buckets(100, 150, (1.25, 2.0)) == (128, 150)
     assert buffer_buckets(3, 3, (1.25, 2.0)) == (3,)
     np.testing.assert_array_equal([bucket_index(jnp.int32(n), buckets) for n in (0, 128, 129, 200, 201, 1000)],

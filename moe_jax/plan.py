@@ -1,0 +1,78 @@
+"""``Plan``: what :func:`moe_jax.resolve` decided, the static argument of the layer.
+
+A module of its own so that the stages can name the type without importing resolution, which
+imports their registries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import AbstractMesh, Mesh
+
+from moe_jax.config import MoEConfig
+from moe_jax.registry import Target
+
+#: The stages, in the order the report lists them; each is a ``MoEConfig`` field and the
+#: ``stage`` of its registry.
+EXPERT_GEMM_STAGE, EXCHANGE_STAGE = "expert_gemm", "exchange"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What resolution decided for one stage."""
+
+    stage: str
+    requested: str
+    chosen: str
+    why: str
+    rejected: tuple[tuple[str, str], ...]  # (name, reason) for every implementation not chosen
+
+    def lines(self) -> list[str]:
+        out = [f"  {self.stage}: {self.chosen}  (requested {self.requested!r}; {self.why})"]
+        out += [f"      not {name}: {reason}" for name, reason in self.rejected]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The resolved layer: its config, the chosen implementation of each stage, and where.
+
+    Hashable, so it can be a static argument of ``jax.jit``. ``str(plan)`` is the report.
+    """
+
+    config: MoEConfig
+    target: Target
+    decisions: tuple[Decision, ...]
+    mesh: Mesh | AbstractMesh | None = None
+
+    def chosen(self, stage: str) -> str:
+        for decision in self.decisions:
+            if decision.stage == stage:
+                return decision.chosen
+        raise KeyError(stage)
+
+    @property
+    def expert_gemm(self) -> str:
+        return self.chosen(EXPERT_GEMM_STAGE)
+
+    @property
+    def exchange(self) -> str:
+        return self.chosen(EXCHANGE_STAGE)
+
+    def scope(self, stage: str) -> str:
+        """The ``jax.named_scope`` that marks this stage's chosen implementation in the HLO."""
+        return f"moe_jax.{stage}.{self.chosen(stage)}"
+
+    @property
+    def report(self) -> str:
+        cfg = self.config
+        head = (
+            f"moe-jax plan: {cfg.num_experts} experts, top-{cfg.top_k}, hidden {cfg.hidden_size}, "
+            f"expert intermediate {cfg.expert_intermediate_size}, {cfg.weight_format} weights\n"
+            f"  target: {self.target.describe()}"
+        )
+        return "\n".join([head, *(line for d in self.decisions for line in d.lines())])
+
+    def __str__(self) -> str:
+        return self.report

@@ -1,0 +1,36 @@
+"""Token exchanges: how rows reach the experts that own them, and come back. One module per
+exchange (``none``, ``ragged``, ``padded``, ``allgather``); :mod:`sharding.exchange.layout`
+holds the pure functions of row counts they share.
+
+Every exchange has the signature::
+
+    exchange(x_th, ids_tk, weights_tk, expert_fn, *, num_experts, axis_name, capacity_factor)
+        -> (y_th float32 [T, H], dropped int32 [])
+
+and, except ``none``, is called inside ``shard_map`` over the expert axis ``axis_name``.
+
+* ``x_th`` ``[T, H]``: this device's tokens; ``ids_tk`` int32 ``[T, k]``: their global
+  expert ids, distinct within a token (top-k), ``num_experts`` for padding tokens (routed
+  nowhere: never sent, never counted); ``weights_tk`` ``[T, k]``: combine weights.
+* ``expert_fn(x_mh, group_sizes_e) -> y_mh`` runs this device's ``E_l = E / D`` experts on
+  rows sorted by local expert; rows past ``sum(group_sizes_e)`` are padding whose outputs
+  are never used.
+* ``capacity_factor``: None for dropless; else each device keeps at most
+  ``ceil(capacity_factor * T * k)`` received rows (the first in its expert-major order, see
+  :mod:`sharding.exchange.layout`), and ``dropped`` counts the rows it dropped.
+
+Dropless buffers are sized at run time: each exchange compiles a few buffer sizes
+(:func:`sharding.exchange.layout.buffer_buckets`, the last the proven worst case) and picks
+one with ``lax.switch`` on a size every device of the expert axis computes identically, so
+compute and memory follow the actual load while no routing can overflow.
+"""
+
+from sharding.exchange.allgather import allgather_exchange
+from sharding.exchange.layout import ExchangeLayout, exchange_layout
+from sharding.exchange.none import local_exchange
+from sharding.exchange.padded import padded_exchange
+from sharding.exchange.ragged import ragged_exchange
+
+__all__ = [
+    "ExchangeLayout", "allgather_exchange", "exchange_layout", "local_exchange", "padded_exchange", "ragged_exchange",
+]

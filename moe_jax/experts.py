@@ -7,7 +7,7 @@ Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan)
   their outputs are unspecified;
 * ``weights``: ``{"w_gate_up_egh": [E_local, 2F, H], "w_down_ehf": [E_local, H, F]}``, each a
   bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` (out, in; gate rows before up rows);
-* ``plan``: the resolved :class:`~moe_jax.resolve.Plan` (config and target);
+* ``plan``: the resolved :class:`~moe_jax.plan.Plan` (config and target);
 * returns ``y_mh`` ``[M, H]`` in ``plan.config.dtype``.
 
 Dimension letters: ``m`` rows, ``h`` hidden, ``e`` experts, ``f`` expert intermediate,
@@ -16,6 +16,7 @@ Dimension letters: ``m`` rows, ``h`` hidden, ``e`` experts, ``f`` expert interme
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -27,7 +28,7 @@ from moe_jax.registry import Implementation, Registry, Target
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
-    from moe_jax.resolve import Plan
+    from moe_jax.plan import Plan
 
 # Contract x's dim 1 with w's dim 2: weights stay (out, in), as checkpoints store them.
 _ROWS_TIMES_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
@@ -77,12 +78,17 @@ def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
 INTERPRET_CAPABILITY = 90
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     """The Pallas kernels: fused gate/up + SwiGLU, then the down projection.
 
     NVFP4 weights are read in ModelOpt's layout and dequantized in the kernel; the
     ``[M, 2F]`` gate/up product never reaches memory. Rows past ``sum(group_sizes_e)`` are
     left unwritten (unspecified), as the stage contract allows.
+
+    The kernels have no derivative rule: differentiating through them raises a ValueError
+    that says how to resolve a differentiable plan, where Pallas itself would fail inside its
+    own JVP rule with an internal assertion.
     """
     config, target = plan.config, plan.target
     kernel_args = dict(
@@ -90,6 +96,17 @@ def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     )
     a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e, **kernel_args)
     return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
+
+
+@pallas_expert_mlp.defjvp
+def _pallas_expert_mlp_jvp(plan: Plan, primals, tangents):
+    # Resolution never picks 'pallas' for training, so a plan that gets here is an inference plan.
+    del plan, primals, tangents
+    raise ValueError(
+        "expert_gemm 'pallas' has no gradient yet: this plan was resolved for inference; resolve with "
+        "training=True (moe_jax.resolve(config, mesh, training=True), or MoE(..., training=True)) to get a "
+        "differentiable implementation"
+    )
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:

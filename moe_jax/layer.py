@@ -28,7 +28,8 @@ from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
 from moe_jax.experts import EXPERT_GEMM, dense_weight, swiglu
-from moe_jax.resolve import Plan, resolve
+from moe_jax.plan import Plan
+from moe_jax.resolve import resolve
 from sharding.mesh import (
     EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, TOKENS, expert_parallel_rules, logical_to_spec, shard_tree, tree_specs,
 )
@@ -126,7 +127,10 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     """
     config = plan.config
     dtype = jnp.dtype(config.dtype)
-    logits_te = x_th.astype(jnp.float32) @ params["router"]["w_eh"].astype(jnp.float32).T
+    # Full float32, as the published models' gates run: a GPU's default TF32 would round the
+    # router weights to 10 mantissa bits and flip the choice between near-tied experts.
+    logits_te = jnp.matmul(x_th.astype(jnp.float32), params["router"]["w_eh"].astype(jnp.float32).T,
+                           precision=jax.lax.Precision.HIGHEST)
     ids_tk, weights_tk = router.route(logits_te, config, correction_bias_e=params["router"].get("bias_e"))
     ids_tk = jnp.where(valid_t[:, None], ids_tk, config.num_experts)
 
@@ -254,6 +258,20 @@ def _to_specs(mesh: Mesh, tree, specs):
     raise ValueError(f"plan.mesh: axis types {mesh.axis_types}, expected all Auto or all Explicit")
 
 
+def _check_vma(plan: Plan) -> bool:
+    """Whether the layer's ``shard_map`` types values by the mesh axes they vary over: always,
+    except for the Pallas kernels run in the Pallas interpreter.
+
+    JAX 0.11.2's interpreter evaluates a kernel body with varying operands sliced by invariant
+    grid indices, which that typing rejects ("dynamic_slice requires varying manual axes to
+    match"). A JAX limitation, not a bug of the layer: the interpreter is for tests, and the
+    kernels have no VJP (differentiating raises, see :func:`moe_jax.experts.pallas_expert_mlp`),
+    so the typing, which is what keeps gradients through the collectives right, protects
+    nothing there. Never switched off for anything else.
+    """
+    return not (plan.expert_gemm == "pallas" and plan.config.interpret)
+
+
 def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
     """The layer under ``shard_map``: tokens split over every mesh axis (padded to a multiple
     of the device count; padding tokens route nowhere), expert weights over the expert
@@ -275,6 +293,7 @@ def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
         mesh=mesh,
         in_specs=(param_specs, token_spec, token_spec),
         out_specs=(token_spec, P()),
+        check_vma=_check_vma(plan),
     )(params, x_th, valid_t)
     if padded == num_tokens:
         return y_th, stats

@@ -1,4 +1,5 @@
-"""The layer with the Pallas expert kernels: in the interpreter on CPU, natively on a GPU."""
+"""The layer with the Pallas expert kernels: in the interpreter on CPU (on one device and under
+an expert-parallel mesh), natively on a GPU."""
 
 import dataclasses
 import re
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sharding
 from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, reference_forward, resolve
 
 SHAPE = dict(num_experts=8, top_k=3, hidden_size=128, expert_intermediate_size=64)
@@ -21,8 +23,8 @@ def make(config, rng, tokens):
     return params, jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
 
 
-def check_against_reference(config, devices, rng, tokens=40):
-    plan = resolve(config, devices)
+def check_against_reference(config, devices_or_mesh, rng, tokens=40):
+    plan = resolve(config, devices_or_mesh)
     assert plan.expert_gemm == "pallas"
     params, x = make(config, rng, tokens)
     forward = jax.jit(moe_forward, static_argnums=2)
@@ -43,6 +45,40 @@ def check_against_reference(config, devices, rng, tokens=40):
 def test_pallas_in_the_interpreter_matches_the_reference(rng, cpu_devices, weight_format):
     config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format, expert_gemm="pallas", interpret=True)
     check_against_reference(config, cpu_devices[:1], rng)
+
+
+@pytest.mark.parametrize("exchange,weight_format", [("padded", "bf16"), ("padded", "nvfp4"), ("allgather", "bf16"),
+                                                     ("allgather", "nvfp4")])
+def test_pallas_in_the_interpreter_under_an_expert_parallel_mesh(rng, cpu_devices, exchange, weight_format):
+    """The layer's shard_map with the interpreted kernels inside (see ``moe_jax.layer._check_vma``)."""
+    config = MoEConfig.kimi_k2(**{**SHAPE, "top_k": 2}, weight_format=weight_format, expert_gemm="pallas",
+                               exchange=exchange, interpret=True)
+    mesh = sharding.make_mesh(2, devices=cpu_devices[:2])
+    check_against_reference(config, mesh, rng)
+
+
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_gpu_kernels_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exchange, weight_format):
+    """The CPU twin of the GPU path under expert parallelism: the compiled (not interpreted)
+    kernels inside the layer's ``shard_map(check_vma=True)``, traced for a 2 x H200 target.
+
+    On GPUs this failed at trace time ("manual_axis_type on jax.ShapeDtypeStruct must not be
+    None"); tracing needs no GPU, so the typing is checked here for every exchange.
+    """
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format, exchange=exchange, expert_gemm="pallas",
+                               interpret=True)
+    mesh = sharding.make_mesh(2, devices=cpu_devices[:2])
+    on_cpu = resolve(dataclasses.replace(config, exchange="padded"), mesh)
+    h200 = dataclasses.replace(on_cpu.target, platform="cuda", device_kind="NVIDIA H200", compute_capability=90)
+    plan = dataclasses.replace(on_cpu, config=dataclasses.replace(config, interpret=False), target=h200,
+                               decisions=tuple(dataclasses.replace(d, chosen=getattr(config, d.stage))
+                                               for d in on_cpu.decisions))
+    assert (plan.expert_gemm, plan.exchange, plan.config.interpret) == ("pallas", exchange, False)
+    params, x = make(config, rng, tokens=40)
+    jaxpr = jax.jit(moe_forward, static_argnums=2).trace(params, x, plan).jaxpr
+    [body] = [eqn.params["jaxpr"] for eqn in jaxpr.eqns if eqn.primitive.name == "shard_map"]
+    assert "pallas_call" in str(body)  # the kernels run inside the shard_map
 
 
 def test_pallas_on_cpu_without_the_interpreter_raises(cpu_devices):

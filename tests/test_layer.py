@@ -41,7 +41,12 @@ def rel_err(y, ref, axis=None):
 def test_matches_the_float64_reference(rng, name, weight_format):
     config = dataclasses.replace(CONFIGS[name], weight_format=weight_format)
     params, x = make(config, rng)
-    y, stats = jax.jit(moe_forward, static_argnums=2)(params, x, resolve(config))
+    # Precision "highest" (IEEE float32) for the router's float32 logits: under the GPU default,
+    # TF32 (10-bit mantissa, ~5e-4 relative per product), an expert near the top-k boundary
+    # can be chosen differently from the float64 oracle's choice, which changes that token
+    # entirely. The expert GEMMs take bf16 operands, which this setting does not change.
+    with jax.default_matmul_precision("highest"):
+        y, stats = jax.jit(moe_forward, static_argnums=2)(params, x, resolve(config))
     ref = reference_forward(params, np.asarray(x, np.float64), config)
     assert y.shape == x.shape and y.dtype == jnp.bfloat16
     # bf16 rounding of the SwiGLU output and of y: about 2^-8 relative.
@@ -135,8 +140,13 @@ def test_gradients_match_a_dense_formulation(rng):
     def loss(fn):
         return lambda p, x: jnp.sum(fn(p, x) * probe)
 
-    grads = jax.grad(loss(lambda p, x: moe_forward(p, x, plan)[0]), argnums=(0, 1))(params, x)
-    ref = jax.grad(loss(lambda p, x: dense_forward(p, x, config)), argnums=(0, 1))(params, x)
+    # Both sides in IEEE float32 ("highest"): the tolerance below is float32's. Under TF32, the
+    # GPU default for float32 matmuls (10-bit mantissa, ~5e-4 relative per product), the two
+    # formulations sum different products and one gradient element differed by 8e-2 relative
+    # on an H200. XLA:CPU computes float32 matmuls in float32 either way.
+    with jax.default_matmul_precision("highest"):
+        grads = jax.grad(loss(lambda p, x: moe_forward(p, x, plan)[0]), argnums=(0, 1))(params, x)
+        ref = jax.grad(loss(lambda p, x: dense_forward(p, x, config)), argnums=(0, 1))(params, x)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * float(np.abs(want).max()))
@@ -181,7 +191,11 @@ def test_nnx_module_on_an_expert_parallel_mesh(rng, cpu_devices):
     assert w.sharding.spec[0] == "expert"
     assert w.addressable_shards[0].data.shape[0] == config.num_experts // 4  # each device: its experts only
     x = jnp.asarray(rng.standard_normal((22, 64)), jnp.bfloat16)
-    y, stats = nnx.jit(lambda m, x: m(x))(sharded, x)
-    y1, stats1 = single(x)
+    # On a GPU machine `single` runs on the GPU and `sharded` on the CPU devices: precision
+    # "highest" keeps the GPU's float32 router logits IEEE float32 (not TF32, ~5e-4 relative per
+    # product), so near-tied experts are chosen as on the CPU and the counts below match exactly.
+    with jax.default_matmul_precision("highest"):
+        y, stats = nnx.jit(lambda m, x: m(x))(sharded, x)
+        y1, stats1 = single(x)
     np.testing.assert_array_equal(stats["tokens_per_expert"], stats1["tokens_per_expert"])
     assert rel_err(y, np.asarray(y1, np.float64)) < 5e-3

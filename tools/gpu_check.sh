@@ -1,16 +1,179 @@
 #!/usr/bin/env bash
-# One device call: the demo with no flags on one GPU, then the GPU-relevant tests.
-# Usage (on the GPU machine, from the repo root): bash tools/gpu_check.sh "$OUT"
+# Every GPU test on every visible GPU count, the demo, and one markdown record of it all.
+#
+# Usage, on the GPU machine, from anywhere in the repo (the device machine's copy has no .git,
+# so the commit comes in through the environment):
+#
+#   GIT_COMMIT=<sha> [GIT_DIRTY=1] bash tools/gpu_check.sh "$OUT"
+#
+# Steps, each bounded by `timeout` so that a hang cannot eat the whole device call:
+#   1. device.txt   GPU name, driver and memory (nvidia-smi); python, jax, jaxlib, flax, optax,
+#                   triton versions; how many GPUs JAX sees.
+#   2. demo.txt     `python3 -m moe_jax.cli demo` with no flags on one GPU.
+#   3. pass 1       pytest on one GPU (CUDA_VISIBLE_DEVICES=0): the suites that run on the
+#                   default backend and matter on a GPU, plus every file under tests/ that
+#                   holds a `gpu` marker (the Kimi K2 size kernel tests and the full-size
+#                   layer among them) -> pytest_1gpu.xml, pytest_1gpu.txt.
+#   4. pass 2       with >= 2 visible GPUs: `pytest -m gpu tests` on all of them, so the
+#                   gpu(count=2) tests run and gpu(count=4) ones skip with their reason
+#                   -> pytest_2gpu.xml, pytest_2gpu.txt. With one GPU the record says why not.
+#   5. gpu_check.md rendered by tools/gpu_check_record.py from the files above; copy it to
+#                   benchmarks/results/gpu_check.md. The script exits non-zero when any test
+#                   failed or errored, a pass did not finish, or the demo failed.
+#
+# Overrides (all optional; every GPU_CHECK_* variable in effect is written into the record):
+#   GPU_CHECK_PASS1="paths/args"   pytest selection of pass 1 (default: see PASS1_SUITES below)
+#   GPU_CHECK_PASS2="paths/args"   pytest selection of pass 2, run with -m gpu (default: tests)
+#   GPU_CHECK_PASSES="1 2"         which passes to run (e.g. "2" for pass 2 in a call of its own)
+#   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist)
+#   GPU_CHECK_BUDGET_S=560         seconds for the whole script (the device call allows 600)
+#   GPU_CHECK_PASS1_S=300          upper bound for pass 1
+#   GPU_CHECK_DEMO_S=150           upper bound for the demo
+#   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed
+#   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
+#   PYTHON=python3                 the interpreter
 set -uo pipefail
-out="${1:-/tmp/gpu_check}"; mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$out/device.txt"
-echo "== moe-jax demo (no flags)"
-CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m moe_jax.cli demo 2>&1 | tee "$out/demo.txt"
-echo "demo rc=${PIPESTATUS[0]}" | tee -a "$out/demo.txt"
-echo "== pytest on GPU"
-CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -n 4 -p no:cacheprovider \
-  tests/test_layer.py tests/test_nvfp4.py tests/test_resolve.py tests/test_router.py tests/test_config.py \
-  ${EXTRA_TESTS:-} 2>&1 | tee "$out/pytest.txt" | tail -25
-echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$out/pytest.txt"
+
+if [[ $# -ne 1 ]]; then
+  echo "usage: GIT_COMMIT=<sha> [GIT_DIRTY=1] bash tools/gpu_check.sh OUT_DIR" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+out="$(cd "$1" && pwd)"
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+start=$(date +%s)
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Several pytest workers share one GPU: none may take 75% of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+budget=${GPU_CHECK_BUDGET_S:-560}
+workers=${GPU_CHECK_WORKERS:-4}
+left() { echo $(( budget - ($(date +%s) - start) )); }
+min() { if (( $1 < $2 )); then echo "$1"; else echo "$2"; fi; }
+max() { if (( $1 > $2 )); then echo "$1"; else echo "$2"; fi; }
+
+# --- provenance ------------------------------------------------------------------------
+commit="${GIT_COMMIT:-}"
+if [[ -z "$commit" ]]; then commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"; fi
+if [[ -n "${GIT_DIRTY:-}" ]]; then
+  case "$GIT_DIRTY" in 0|no|false) dirty=0 ;; *) dirty=1 ;; esac
+elif [[ -z "${GIT_COMMIT:-}" ]] && git rev-parse HEAD >/dev/null 2>&1; then
+  if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then dirty=1; else dirty=0; fi
+else
+  dirty=unknown
+fi
+overrides="$(env | grep -E '^GPU_CHECK_[A-Z0-9_]+=' | sort | sed -E "s/=(.*)/='\1'/" | tr '\n' ' ')"
+command="${overrides}${GIT_COMMIT:+GIT_COMMIT=$GIT_COMMIT }${GIT_DIRTY:+GIT_DIRTY=$GIT_DIRTY }bash tools/gpu_check.sh OUT"
+
+# --- 1. device ---------------------------------------------------------------------------
+{
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1 \
+      | sed 's/^/gpu: /' || echo "gpu: nvidia-smi failed"
+  else
+    echo "gpu: none (nvidia-smi not found)"
+  fi
+  timeout -k 10 120 "$PY" - <<'EOF' 2>&1
+import importlib.metadata as metadata
+import platform
+
+print("python:", platform.python_version())
+for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "triton", "numpy"):
+    try:
+        print(f"{name}: {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        if "cuda" not in name:
+            print(f"{name}: not installed")
+import jax
+
+try:
+    gpus = jax.devices("gpu")
+except RuntimeError as err:
+    gpus = []
+    print("jax gpu backend:", str(err).splitlines()[0])
+print("jax_gpu_count:", len(gpus))
+print("jax_devices:", ", ".join(f"{d.device_kind} (SM {getattr(d, 'compute_capability', '?')})" for d in gpus)
+      or ", ".join(sorted({d.platform for d in jax.devices()})))
+EOF
+} > "$out/device.txt"
+ngpu="$(sed -n 's/^jax_gpu_count: //p' "$out/device.txt" | tail -1)"
+ngpu="${ngpu:-0}"
+echo "== device ($ngpu GPU(s) visible to JAX)"; cat "$out/device.txt"
+
+# --- 2. demo -----------------------------------------------------------------------------
+record_args=()
+if [[ -n "${GPU_CHECK_SKIP_DEMO:-}" ]]; then
+  echo "demo skipped (GPU_CHECK_SKIP_DEMO=$GPU_CHECK_SKIP_DEMO)" > "$out/demo.txt"
+else
+  echo "== moe-jax demo (no flags, one GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(min "${GPU_CHECK_DEMO_S:-150}" "$(max 30 "$(left)")")" \
+    "$PY" -m moe_jax.cli demo > "$out/demo.txt" 2>&1
+  demo_rc=$?
+  echo "demo rc=$demo_rc" >> "$out/demo.txt"
+  tail -12 "$out/demo.txt"
+  record_args+=(--demo-rc "$demo_rc")
+fi
+
+# --- pytest passes -------------------------------------------------------------------------
+pytest_opts=(-p no:cacheprovider -q --tb=short -o junit_family=xunit1 -o junit_logging=no)
+if [[ "$workers" != 0 ]]; then pytest_opts+=(-n "$workers"); fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+  # thread method: a test stuck inside a CUDA call is still stopped (its worker is replaced).
+  pytest_opts+=(--timeout="${GPU_CHECK_TEST_S:-240}" --timeout-method=thread)
+fi
+
+# run_pass NAME LABEL SECONDS [env assignments --] pytest args...
+run_pass() {
+  local name=$1 label=$2 limit=$3; shift 3
+  local envs=()
+  while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  local t0 rc
+  t0=$(date +%s)
+  echo "== pytest: $label (limit ${limit}s)"
+  # SIGINT first: pytest then still writes the junit XML of the tests it finished.
+  env "${envs[@]}" timeout -s INT -k 30 "$limit" "$PY" -m pytest "${pytest_opts[@]}" \
+    --junitxml="$out/pytest_$name.xml" "$@" > "$out/pytest_$name.txt" 2>&1
+  rc=$?
+  tail -5 "$out/pytest_$name.txt"
+  # Keep the log small enough to come back from the device machine.
+  if [[ $(wc -c < "$out/pytest_$name.txt") -gt 8000000 ]]; then
+    tail -c 8000000 "$out/pytest_$name.txt" > "$out/pytest_$name.tmp" && mv "$out/pytest_$name.tmp" "$out/pytest_$name.txt"
+  fi
+  record_args+=(--pass "$label|$rc|$(( $(date +%s) - t0 ))|pytest_$name.xml|pytest_$name.txt|${envs[*]} $PY -m pytest ${pytest_opts[*]} --junitxml=pytest_$name.xml $*")
+}
+
+# Pass 1: the unmarked suites that run on the default backend and matter on a GPU, plus every
+# file that holds a gpu marker (its CPU tests come along; they are cheap).
+PASS1_SUITES="tests/test_layer.py tests/test_nvfp4.py tests/test_resolve.py tests/test_router.py
+  tests/test_config.py tests/test_layer_pallas.py tests/pallas_kernels"
+if [[ -n "${GPU_CHECK_PASS1:-}" ]]; then
+  pass1="$GPU_CHECK_PASS1"
+else
+  marked="$(grep -rlE --include='test_*.py' 'mark\.gpu' tests | grep -v '^tests/pallas_kernels/' | sort)"
+  pass1="$(echo $PASS1_SUITES $marked | tr ' ' '\n' | awk 'NF && !seen[$0]++' | tr '\n' ' ')"
+fi
+passes="${GPU_CHECK_PASSES:-1 2}"
+if [[ " $passes " == *" 1 "* ]]; then
+  # shellcheck disable=SC2086  # word splitting of the selections is intended
+  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-300}" "$(max 60 "$(( $(left) - 30 ))")")" \
+    CUDA_VISIBLE_DEVICES=0 -- $pass1
+else
+  record_args+=(--not-run "1 GPU (pass 1)|not selected (GPU_CHECK_PASSES='$passes')")
+fi
+
+if [[ " $passes " != *" 2 "* ]]; then
+  record_args+=(--not-run "all GPUs (pass 2)|not selected (GPU_CHECK_PASSES='$passes')")
+elif (( ngpu >= 2 && $(left) - 15 < 60 )); then
+  record_args+=(--not-run "all $ngpu GPUs (pass 2)|$(left) s of the ${budget} s budget left; run it in its own call: GPU_CHECK_PASSES=2 GPU_CHECK_SKIP_DEMO=1")
+elif (( ngpu >= 2 )); then
+  # shellcheck disable=SC2086
+  run_pass 2gpu "all $ngpu GPUs" "$(( $(left) - 15 ))" -- -m gpu ${GPU_CHECK_PASS2:-tests}
+else
+  record_args+=(--not-run "all GPUs (pass 2)|JAX sees $ngpu GPU(s); the multi-GPU pass needs at least 2")
+fi
+
+# --- record ------------------------------------------------------------------------------
+"$PY" tools/gpu_check_record.py "$out" --commit "$commit" --dirty "$dirty" --command "$command" \
+  --seconds "$(( $(date +%s) - start ))" "${record_args[@]}"

@@ -1,0 +1,204 @@
+"""Both expert GEMM kernels at Kimi K2's real size (384 experts, hidden 7168, intermediate 2048),
+both weight formats, on a GPU, checked for experts at the top of the range.
+
+Why: every other kernel test uses 48 experts or fewer, and at 384 experts one down-projection
+expert's packed NVFP4 weights (7168 x 1024 bytes) put expert 293 past 2**31 bytes, the bf16
+gate/up weights (384 x 4096 x 7168) pass 2**31 elements at expert 73, so offsets that
+overflow int32 are invisible below this size. An H200 measured relative errors of 0.85
+(experts 288..295) and 1.34 (376..383) for the NVFP4 down projection, and illegal memory
+accesses once the allocator had been disturbed (issue 10, items 3 and 4). The CPU suite
+cannot see this: weights of this size do not fit its budget, and the Pallas interpreter
+clamps out-of-range indices.
+
+What: weights are random on the device (bf16 normal / sqrt(K); NVFP4 random codes, block
+scales in [0.5, 1.5] and a global scale that keeps outputs O(0.1..1)), built after a 4 GiB
+allocation has been made and freed, as in the failing runs. Each test runs one projection in
+one format over several routings of fresh random rows (never zeros) into a NaN-poisoned
+``out=`` buffer:
+
+* ``blocks``: 16 rows for each expert of the blocks 0..7, 144..151, 288..295, 376..383
+  (expert 383 included), all other experts empty, 512 padding rows after the last;
+* ``last_expert_empty``: the same without expert 383;
+* ``last_expert_hottest``: the same, with 301 rows (several row tiles, not a tile multiple)
+  for expert 383;
+* ``decode_top8`` / ``prefill_top8``: 32 / 2048 tokens, each sent to 8 distinct random
+  experts (the issue's reproduction), rows of the blocks above checked.
+
+Each defined row must be written and finite, each padding row must keep its poison, and per
+expert block the relative Frobenius error against a float64 reference must be below 1e-2
+(bf16 output rounding alone is ~3e-3). The reference runs on the host for the experts of the
+blocks only, one expert at a time (dequantizing all 384 experts would take 45 GB). The
+per-block errors are recorded as junit properties (``tools/gpu_check.sh`` lists them).
+
+Memory: the largest case (bf16 gate/up weights) holds 22.5 GB on the device, built in place
+8 experts at a time (about 1.4 GB of temporaries); the device weights are deleted before the
+host reference runs. Time: three kernel compilations (row counts 320, 1024, 16448) and the
+float64 reference of 32 experts on the host, about 30 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.nvfp4 import NVFP4Tensor
+from pallas_kernels.grouped_matmul import gate_up_swiglu, grouped_matmul, reference
+
+E, H, F = 384, 7168, 2048
+BLOCKS = ((0, 8), (144, 152), (288, 296), (376, 384))  # [first, last + 1) expert of each block
+ROWS = 16
+HOT_ROWS = 301
+PADDED_ROWS = 1024  # rows of x for the block patterns: the defined rows, then padding
+TOLERANCE = 1e-2
+DECODE_TOKENS, PREFILL_TOKENS = 32, 2048
+CHUNK = 8  # experts generated per step: bounds the temporary memory while building weights
+
+# op name -> (kernel, weight rows N, contraction K, output columns)
+OPS = {
+    "gate_up_swiglu": (gate_up_swiglu, 2 * F, H, F),
+    "down": (grouped_matmul, H, F, H),
+}
+
+
+def _capability() -> int:
+    """``major * 10 + minor`` of the first GPU, as moe_jax.resolve derives it (90 for an H200)."""
+    major, minor = jax.devices("gpu")[0].compute_capability.split(".")[:2]
+    return 10 * int(major) + int(minor)
+
+
+def perturb_allocator() -> None:
+    """Allocate and free 4 GiB, so later buffers land where the failing runs had them."""
+    a = jnp.ones((1 << 30,), jnp.float32)
+    a.block_until_ready()
+    del a
+
+
+def random_on_device(key, shape, make) -> jax.Array:
+    """``make(key, chunk_shape)`` for chunks of ``CHUNK`` experts, written in place into one
+    ``shape`` array: the peak is the array plus one chunk, never a float32 copy of it all."""
+    chunk = jax.jit(make, static_argnums=1)
+    update = jax.jit(lambda buf, part, start: jax.lax.dynamic_update_slice_in_dim(buf, part, start, axis=0),
+                     donate_argnums=0)
+    buf = None
+    for i, start in enumerate(range(0, shape[0], CHUNK)):
+        part = chunk(jax.random.fold_in(key, i), (min(CHUNK, shape[0] - start), *shape[1:]))
+        buf = jnp.zeros(shape, part.dtype) if buf is None else buf
+        buf = update(buf, part, start)
+    buf.block_until_ready()
+    return buf
+
+
+def random_weights(key, fmt: str, n: int, k: int):
+    """``[E, N, K]`` random weights on the device: bf16, or NVFP4 in ModelOpt's layout."""
+    k_w, k_s = jax.random.split(key)
+    match fmt:
+        case "bf16":
+            return random_on_device(
+                k_w, (E, n, k), lambda key, s: (jax.random.normal(key, s, jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16))
+        case "nvfp4":
+            packed = random_on_device(k_w, (E, n, k // 2), lambda key, s: jax.random.bits(key, s, jnp.uint8))
+            scales = random_on_device(k_s, (E, n, k // 16), lambda key, s: jax.random.uniform(
+                key, s, jnp.float32, minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn))
+            return NVFP4Tensor(packed=packed, scales=scales,
+                               global_scale=jnp.full((E,), 0.3 / (6 * math.sqrt(k)), jnp.float32))
+    raise AssertionError(fmt)
+
+
+def _block_experts() -> list[int]:
+    return [e for lo, hi in BLOCKS for e in range(lo, hi)]
+
+
+def patterns(rng) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> (group sizes int32 [E], rows of x); rows past the sizes' sum are padding."""
+    blocks = np.zeros(E, np.int32)
+    blocks[_block_experts()] = ROWS
+    last_empty, hot = blocks.copy(), blocks.copy()
+    last_empty[E - 1] = 0
+    hot[E - 1] = HOT_ROWS
+    out = {"blocks": (blocks, PADDED_ROWS), "last_expert_empty": (last_empty, PADDED_ROWS),
+           "last_expert_hottest": (hot, PADDED_ROWS)}
+    for name, tokens in (("decode_top8", DECODE_TOKENS), ("prefill_top8", PREFILL_TOKENS)):
+        ids_tk = np.stack([rng.choice(E, 8, replace=False) for _ in range(tokens)])
+        out[name] = (np.bincount(ids_tk.ravel(), minlength=E).astype(np.int32), tokens * 8 + 64)
+    return out
+
+
+def expert_reference(op: str, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
+    """One expert's rows in float64, by the formulas of ``pallas_kernels.grouped_matmul.reference``
+    (inlined: its functions copy the [N, K] weights once per call)."""
+    h = x_mk @ w_nk.T
+    if op == "down":
+        return h
+    gate, up = np.split(h, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op, fmt):
+    kernel, n, k, n_out = OPS[op]
+    cc = _capability()
+    perturb_allocator()
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    w = random_weights(jax.random.fold_in(key, 0), fmt, n, k)
+
+    # Run every routing, keep inputs and outputs on the host.
+    runs = {}
+    for i, (name, (sizes, m)) in enumerate(patterns(rng).items()):
+        x = jax.random.normal(jax.random.fold_in(key, i + 1), (m, k), jnp.bfloat16)
+        poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
+        y = kernel(x, w, jnp.asarray(sizes), compute_capability=cc, out=poisoned)
+        runs[name] = (sizes, np.asarray(x), np.asarray(y.astype(jnp.float32)))  # bf16, float32
+        del x, y, poisoned
+
+    # Expert weights of the blocks to the host, then free the device copy.
+    weights = {e: (w.packed[e:e + 1], w.scales[e:e + 1], w.global_scale[e:e + 1]) if fmt == "nvfp4"
+               else w[e] for e in _block_experts()}
+    weights = jax.device_get(weights)
+    for leaf in jax.tree.leaves(w):
+        leaf.delete()
+    del w
+
+    problems, errors = [], {}
+    for name, (sizes, x, y) in runs.items():
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        defined = int(starts[-1])
+        unwritten = np.count_nonzero(~np.isfinite(y[:defined]).all(axis=1))
+        if unwritten:
+            problems.append(f"{name}: {unwritten} of {defined} defined rows not finite (unwritten: NaN poison)")
+        overwritten = np.count_nonzero(~np.isnan(y[defined:]).all(axis=1))
+        if overwritten:
+            problems.append(f"{name}: {overwritten} padding rows past sum(group_sizes) = {defined} were written")
+    for lo, hi in BLOCKS:
+        for name in runs:
+            errors[name, lo, hi] = [0.0, 0.0]  # squared error, squared reference
+        for e in range(lo, hi):
+            stored = weights[e]
+            w_nk = (reference.dequantize(*stored)[0] if fmt == "nvfp4" else np.asarray(stored).astype(np.float64))
+            for name, (sizes, x, y) in runs.items():
+                start, size = int(np.sum(sizes[:e])), int(sizes[e])
+                if size == 0:
+                    continue
+                ref = expert_reference(op, x[start:start + size].astype(np.float64), w_nk)
+                got = np.nan_to_num(y[start:start + size].astype(np.float64), nan=1e30)
+                acc = errors[name, lo, hi]
+                acc[0] += float(np.sum((got - ref) ** 2))
+                acc[1] += float(np.sum(ref ** 2))
+            del w_nk
+    for (name, lo, hi), (sq_err, sq_ref) in errors.items():
+        if sq_ref == 0.0:
+            continue  # no rows routed to this block in this pattern (random routing)
+        rel = math.sqrt(sq_err / sq_ref)
+        record_property(f"{name} experts {lo}..{hi - 1}", f"{rel:.2e}")
+        if not rel < TOLERANCE:
+            problems.append(f"{name}: experts {lo}..{hi - 1}: relative Frobenius error {rel:.3g} >= {TOLERANCE}")
+    table = "; ".join(f"{name} {lo}..{hi - 1}: {math.sqrt(a / b):.2e}" for (name, lo, hi), (a, b) in errors.items() if b)
+    print(f"{op} {fmt} (SM{cc}) relative errors per expert block: {table}")
+    assert not problems, f"{op} {fmt} at Kimi K2 size (SM{cc}):\n" + "\n".join(problems) + f"\nall blocks: {table}"
+    checked = sum(1 for _, sq_ref in errors.values() if sq_ref > 0)
+    assert checked >= 3 * len(BLOCKS), f"only {checked} (pattern, block) pairs had rows"  # the fixed patterns did

@@ -1,0 +1,129 @@
+"""tools/gpu_check_record.py: the GPU check's record lists every test with its outcome, and its
+verdict fails on a failed test, an unfinished pass or a failed demo (hand-written junit XML)."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gpu_check_record.py"
+_spec = importlib.util.spec_from_file_location("gpu_check_record", TOOL)
+record = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check_record"] = record  # dataclasses look their module up by name
+_spec.loader.exec_module(record)
+
+# What pytest writes with -o junit_family=xunit1: file attributes, properties per test case.
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="1" tests="3" time="12.5">
+<testcase classname="tests.pallas_kernels.test_kimi_size_gpu" file="tests/pallas_kernels/test_kimi_size_gpu.py"
+  line="10" name="test_kimi_size[nvfp4-down]" time="20.25">
+  <properties><property name="rel_err_experts_376_383" value="1.7e-03"/></properties></testcase>
+<testcase classname="tests.test_layer" file="tests/test_layer.py" line="120"
+  name="test_gradients_match_a_dense_formulation" time="1.0">
+  <failure message="AssertionError: Not equal to tolerance rtol=0.0002 | x&#10;second line">traceback
+  </failure></testcase>
+<testcase classname="tests.test_expert_parallel_gpu.TestSomething" name="test_exchange[4-ragged-bf16]" time="0.0">
+  <skipped type="pytest.skip" message="needs 4 CUDA GPU(s), found 1">tests/x.py:3: needs 4</skipped></testcase>
+</testsuite></testsuites>
+"""
+
+PASSING = JUNIT.replace('<failure message="AssertionError: Not equal to tolerance rtol=0.0002 | x&#10;second line">'
+                        'traceback\n  </failure>', "")
+
+
+def _pass(xml, rc, label="1 GPU"):
+    return record.PassResult(label=label, rc=rc, seconds=30.0, command="python3 -m pytest -n 4 tests/x.py",
+                             tests=record.parse_junit(xml) if xml is not None else None, log_tail="Killed\n")
+
+
+def _render(passes, demo_rc=0, gpus=1):
+    device = "".join(f"gpu: {i}, NVIDIA H200, 580.159.04, 143771 MiB\n" for i in range(gpus))
+    return record.render(commit="abc123", dirty="1", date="2026-12-02 10:00:00 UTC", command="bash tools/gpu_check.sh OUT",
+                         device_text=f"{device or 'gpu: none (nvidia-smi not found)'}\njax: 0.11.2\njax_gpu_count: {gpus}",
+                         demo_text="moe-jax demo on 1 x NVIDIA H200 (gpu)\n  initializing [###] 2/2\n"
+                                   "relative error vs float64 reference of the same NVFP4 weights: 3.34e-03\n",
+                         demo_rc=demo_rc, passes=passes,
+                         not_run=[record.NotRun("all GPUs (pass 2)", "JAX sees 1 GPU(s)")])
+
+
+def test_parse_junit_reads_outcomes_reasons_messages_and_properties():
+    tests = {t.test_id: t for t in record.parse_junit(JUNIT)}
+    assert set(tests) == {
+        "tests/pallas_kernels/test_kimi_size_gpu.py::test_kimi_size[nvfp4-down]",
+        "tests/test_layer.py::test_gradients_match_a_dense_formulation",
+        "tests/test_expert_parallel_gpu.py::TestSomething::test_exchange[4-ragged-bf16]",  # no file attribute
+    }
+    kimi = tests["tests/pallas_kernels/test_kimi_size_gpu.py::test_kimi_size[nvfp4-down]"]
+    assert (kimi.outcome, kimi.seconds, kimi.properties) == ("passed", 20.25, (("rel_err_experts_376_383", "1.7e-03"),))
+    failed = tests["tests/test_layer.py::test_gradients_match_a_dense_formulation"]
+    assert (failed.outcome, failed.detail) == ("failed", "AssertionError: Not equal to tolerance rtol=0.0002 | x")
+    skipped = tests["tests/test_expert_parallel_gpu.py::TestSomething::test_exchange[4-ragged-bf16]"]
+    assert (skipped.outcome, skipped.detail) == ("skipped", "needs 4 CUDA GPU(s), found 1")
+
+
+def test_a_failed_test_makes_the_verdict_fail_and_the_table_shows_every_test():
+    text, ok = _render([_pass(JUNIT, rc=1)])
+    assert not ok
+    lines = text.splitlines()
+    assert lines[0] == "# GPU check: FAILED"
+    assert "- commit: `abc123` (with uncommitted changes)" in lines
+    assert "- device: 1 x NVIDIA H200, driver 580.159.04; GPUs visible to JAX: 1" in lines
+    assert "- versions: jax 0.11.2" in lines
+    assert "passed 1, failed 1, skipped 1, errors 0 (of 3)" in lines
+    # Every test has its row; the pipe inside the message is escaped, the second line dropped.
+    assert ("| `tests/test_layer.py::test_gradients_match_a_dense_formulation` | FAILED | 1.0 | "
+            "AssertionError: Not equal to tolerance rtol=0.0002 \\| x |") in lines
+    assert ("| `tests/test_expert_parallel_gpu.py::TestSomething::test_exchange[4-ragged-bf16]` | skipped | 0.0 | "
+            "needs 4 CUDA GPU(s), found 1 |") in lines
+    assert ("| `tests/pallas_kernels/test_kimi_size_gpu.py::test_kimi_size[nvfp4-down]` | passed | 20.2 | "
+            "rel_err_experts_376_383=1.7e-03 |") in lines
+    assert "not run: JAX sees 1 GPU(s)" in lines
+    assert lines[-1] == ("FAILED: 1 GPU: 1 failed (tests/test_layer.py::test_gradients_match_a_dense_formulation)")
+    # The demo's key lines, not its progress bars.
+    assert "relative error vs float64 reference of the same NVFP4 weights: 3.34e-03" in lines
+    assert not any("initializing" in line for line in lines)
+
+
+def test_all_passed_verdict_counts_and_gives_skip_reasons():
+    text, ok = _render([_pass(PASSING, rc=0), _pass(PASSING, rc=0, label="all 2 GPUs")], gpus=2)
+    assert "- device: 2 x NVIDIA H200, driver 580.159.04; GPUs visible to JAX: 2" in text.splitlines()
+    assert ok
+    assert text.splitlines()[0] == "# GPU check: passed"
+    assert text.splitlines()[-1] == ("all 4 tests passed (1 GPU: 2, all 2 GPUs: 2), 2 skipped "
+                                     "(needs 4 CUDA GPU(s), found 1: 2); demo rc 0")
+
+
+@pytest.mark.parametrize("passes,demo_rc,gpus,expected", [
+    pytest.param([("PASSING", 0)], 1, 1, "FAILED: the demo exited with rc 1", id="demo_failed"),
+    pytest.param([("PASSING", 0)], None, 1, "FAILED: the demo did not run", id="demo_not_run"),
+    pytest.param([(None, 124)], 0, 1, "FAILED: 1 GPU: no junit XML (rc 124: timed out, interrupted)",
+                 id="killed_before_the_xml"),
+    pytest.param([("PASSING", 124)], 0, 1, "FAILED: 1 GPU: pytest exited with rc 124: timed out, interrupted",
+                 id="interrupted_after_passing_tests"),
+    pytest.param([], 0, 1, "FAILED: no pytest pass ran", id="no_pass"),
+    pytest.param([("PASSING", 0)], 0, 0, "FAILED: JAX sees no GPU, so no GPU test ran", id="no_gpu"),
+])
+def test_anything_unfinished_fails_the_verdict(passes, demo_rc, gpus, expected):
+    text, ok = _render([_pass(PASSING if xml else None, rc) for xml, rc in passes], demo_rc=demo_rc, gpus=gpus)
+    assert not ok
+    assert text.splitlines()[-1] == expected
+
+
+def test_command_line_writes_the_record_and_exits_non_zero_on_failure(tmp_path):
+    (tmp_path / "device.txt").write_text("gpu: 0, NVIDIA H200, 580.159.04, 143771 MiB\njax_gpu_count: 1\n")
+    (tmp_path / "demo.txt").write_text("moe-jax demo on 1 x cpu (cpu)\ndemo rc=0\n")
+    (tmp_path / "pytest_1gpu.xml").write_text(JUNIT)
+    (tmp_path / "pytest_1gpu.txt").write_text("1 failed, 1 passed, 1 skipped\n")
+    (tmp_path / "good.xml").write_text(PASSING)
+    base = [sys.executable, str(TOOL), str(tmp_path), "--commit", "abc123", "--dirty", "0", "--demo-rc", "0"]
+    bad = subprocess.run(base + ["--pass", "1 GPU|1|9|pytest_1gpu.xml|pytest_1gpu.txt|pytest a|b"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1, bad.stderr
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "`pytest a|b`" in text and "- commit: `abc123` (clean)" in text
+    assert "gpu: 0, NVIDIA H200, 580.159.04, 143771 MiB" in text
+    good = subprocess.run(base + ["--pass", "1 GPU|0|9|good.xml|pytest_1gpu.txt|pytest"], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.strip().startswith("all 2 tests passed")

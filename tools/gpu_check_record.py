@@ -1,0 +1,298 @@
+"""Renders the record of one ``tools/gpu_check.sh`` run as markdown (stdlib only).
+
+Reads what the shell script left in its output folder (``device.txt``, ``demo.txt``, one
+junit XML and one log per pytest pass) and writes ``gpu_check.md`` there: commit, date,
+device, versions and the exact command; the demo's exit status and key lines; per pass the
+counts and a table of every test with its outcome (skips with their reason, failures with
+the first line of their message, recorded properties such as per-block errors); and one
+verdict line. Exits 1 when anything failed (a test, a pass that did not finish, the demo),
+else 0.
+
+Usage (the shell script calls it; by hand for a record already on disk)::
+
+    python3 tools/gpu_check_record.py OUT --commit SHA [--dirty 1|0|unknown] --command CMD \\
+        --demo-rc RC --pass "LABEL|RC|SECONDS|pytest_1gpu.xml|pytest_1gpu.txt|PYTEST COMMAND" \\
+        [--pass ...] [--not-run "LABEL|REASON"] [--date ISO] [--seconds TOTAL]
+
+Importable: :func:`parse_junit` and :func:`render` are what the tests exercise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+_DEMO_KEYS = ("moe-jax demo on", "  target:", "  expert_gemm:", "  exchange:", "tokens:", "relative error",
+              "NVFP4 quantization error", "expert load", "throughput", "FAILED")
+_MESSAGE_CHARS = 240
+
+
+@dataclasses.dataclass(frozen=True)
+class TestResult:
+    """One test case of a junit XML file."""
+
+    test_id: str  # path/to/test_file.py::Class::test_name[params]
+    outcome: str  # PASSED, FAILED, ERROR or SKIPPED
+    detail: str  # skip reason or first line of the failure message; "" when passed
+    seconds: float
+    properties: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """One pytest pass: how it was run and what its junit XML holds."""
+
+    label: str
+    rc: int
+    seconds: float
+    command: str
+    tests: tuple[TestResult, ...] | None  # None: no junit XML was written (killed, crashed)
+    log_tail: str = ""  # the end of the pytest log, shown when the pass did not finish cleanly
+
+    def counts(self) -> collections.Counter:
+        return collections.Counter(t.outcome for t in self.tests or ())
+
+    def problems(self) -> list[str]:
+        """Why this pass is not a success; empty when it is."""
+        out = []
+        counts = self.counts()
+        if self.tests is None:
+            out.append(f"{self.label}: no junit XML (rc {self.rc}{_rc_meaning(self.rc)})")
+        else:
+            if counts[FAILED]:
+                out.append(f"{self.label}: {counts[FAILED]} failed")
+            if counts[ERROR]:
+                out.append(f"{self.label}: {counts[ERROR]} errors")
+            if not self.tests:
+                out.append(f"{self.label}: no tests ran")
+            if self.rc != 0 and not (counts[FAILED] or counts[ERROR]):
+                out.append(f"{self.label}: pytest exited with rc {self.rc}{_rc_meaning(self.rc)}")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class NotRun:
+    label: str
+    reason: str
+
+
+def _rc_meaning(rc: int) -> str:
+    return {124: ": timed out, interrupted", 137: ": killed", 2: ": interrupted or usage error",
+            3: ": pytest internal error", 4: ": pytest usage error", 5: ": no tests collected"}.get(rc, "")
+
+
+def _first_line(text: str | None) -> str:
+    for line in (text or "").splitlines():
+        if line.strip():
+            line = line.strip()
+            return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."
+    return ""
+
+
+def _test_id(case: ET.Element) -> str:
+    """``path/file.py::Class::name`` from junit's ``file``/``classname``/``name``."""
+    name = case.get("name", "?")
+    parts = case.get("classname", "").split(".")
+    module = max((i for i, p in enumerate(parts) if p.startswith("test_") or p.endswith("_test")), default=None)
+    classes = parts[module + 1:] if module is not None else []
+    if case.get("file"):
+        path = case.get("file")
+    elif module is not None:
+        path = "/".join(parts[: module + 1]) + ".py"
+    else:
+        return "::".join(p for p in (case.get("classname"), name) if p)
+    return "::".join([path, *classes, name])
+
+
+def parse_junit(source: str | os.PathLike) -> tuple[TestResult, ...]:
+    """Every ``testcase`` of a pytest junit XML file (a path, or the XML text itself)."""
+    text = str(source)
+    root = ET.fromstring(text) if text.lstrip().startswith("<") else ET.parse(source).getroot()
+    results = []
+    for case in root.iter("testcase"):
+        children = {child.tag: child for child in case}
+        properties = tuple((p.get("name", ""), p.get("value", "")) for p in case.iter("property"))
+        # A test can fail and then error in teardown: the worst outcome wins.
+        for tag, outcome in (("error", ERROR), ("failure", FAILED), ("skipped", SKIPPED)):
+            if tag in children:
+                child = children[tag]
+                detail = _first_line(child.get("message")) or _first_line(child.text)
+                break
+        else:
+            outcome, detail = PASSED, ""
+        results.append(TestResult(_test_id(case), outcome, detail, float(case.get("time") or 0.0), properties))
+    return tuple(results)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
+def _demo_lines(demo_text: str, rc: int) -> list[str]:
+    lines = [line.rstrip() for line in demo_text.replace("\r", "\n").splitlines()]
+    lines = [line for line in lines if line.strip() and not line.startswith("demo rc=")]
+    key = [line for line in lines if line.startswith(_DEMO_KEYS)]
+    if rc != 0:  # the error is at the end
+        key += ["..."] + [line for line in lines[-15:] if line not in key]
+    return key or lines[-15:]
+
+
+def _skip_summary(passes: list[PassResult]) -> str:
+    reasons = collections.Counter(t.detail or "no reason given" for p in passes for t in p.tests or ()
+                                  if t.outcome == SKIPPED)
+    return "; ".join(f"{reason}: {count}" for reason, count in reasons.most_common())
+
+
+def verdict(passes: list[PassResult], demo_rc: int | None, gpus: int | None = None) -> tuple[str, bool]:
+    """One line, and whether everything passed (``gpus``: how many GPUs JAX saw, if known)."""
+    problems = ["JAX sees no GPU, so no GPU test ran"] if gpus == 0 else []
+    problems += [problem for p in passes for problem in p.problems()]
+    if demo_rc is None:
+        problems.append("the demo did not run")
+    elif demo_rc != 0:
+        problems.append(f"the demo exited with rc {demo_rc}{_rc_meaning(demo_rc)}")
+    if not passes:
+        problems.append("no pytest pass ran")
+    if problems:
+        failed = [t.test_id for p in passes for t in p.tests or () if t.outcome in (FAILED, ERROR)]
+        named = f" ({', '.join(failed[:10])}{', ...' if len(failed) > 10 else ''})" if failed else ""
+        return f"FAILED: {'; '.join(problems)}{named}", False
+    passed = sum(p.counts()[PASSED] for p in passes)
+    skipped = sum(p.counts()[SKIPPED] for p in passes)
+    per_pass = ", ".join(f"{p.label}: {p.counts()[PASSED]}" for p in passes)
+    skips = f" ({_skip_summary(passes)})" if skipped else ""
+    return f"all {passed} tests passed ({per_pass}), {skipped} skipped{skips}; demo rc 0", True
+
+
+def _summarize_device(device_text: str) -> tuple[str, str, int | None]:
+    """(device line, versions line, GPU count seen by JAX or None) from ``device.txt``.
+
+    ``device.txt`` holds ``key: value`` lines: ``gpu: index, name, driver, memory`` per GPU
+    (nvidia-smi), package versions, ``jax_gpu_count: N``.
+    """
+    fields = collections.defaultdict(list)
+    for row in device_text.splitlines():
+        key, sep, value = row.partition(":")
+        if sep:
+            fields[key.strip()].append(value.strip())
+    gpus = [[part.strip() for part in row.split(",")] for row in fields["gpu"]]
+    named = [g for g in gpus if len(g) >= 3]
+    if named:
+        kinds = collections.Counter(f"{g[1]}" for g in named)
+        device = ", ".join(f"{n} x {kind}" for kind, n in kinds.items()) + f", driver {named[0][2]}"
+    else:
+        device = fields["gpu"][0] if fields["gpu"] else "unknown"
+    versions = ", ".join(f"{name} {fields[name][0]}" for name in
+                         ("python", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "triton")
+                         if fields[name])
+    count = fields["jax_gpu_count"]
+    return device, versions or "unknown", int(count[-1]) if count and count[-1].isdigit() else None
+
+
+def render(*, commit: str, dirty: str, date: str, command: str, device_text: str, demo_text: str | None,
+           demo_rc: int | None, passes: list[PassResult], not_run: list[NotRun] = (),
+           seconds: float | None = None) -> tuple[str, bool]:
+    """The markdown record and whether everything passed."""
+    device_line, versions, gpus = _summarize_device(device_text)
+    line, ok = verdict(passes, demo_rc, gpus)
+    dirty_note = {"0": "clean", "1": "with uncommitted changes"}.get(dirty, "uncommitted changes unknown")
+    device = [row for row in device_text.splitlines() if row.strip()]
+    out = [
+        f"# GPU check: {'passed' if ok else 'FAILED'}",
+        "",
+        f"- commit: `{commit}` ({dirty_note})",
+        f"- date (UTC): {date}",
+        f"- device: {device_line}; GPUs visible to JAX: {'unknown' if gpus is None else gpus}",
+        f"- versions: {versions}",
+        f"- command: `{command}`",
+    ]
+    if seconds is not None:
+        out.append(f"- wall time: {seconds:.0f} s")
+    out += ["", "## Device and versions", "", "```", *device, "```", "", "## moe-jax demo (no flags, one GPU)", ""]
+    if demo_rc is None:
+        out.append("not run")
+    else:
+        out += [f"rc {demo_rc}", "", "```", *_demo_lines(demo_text or "", demo_rc), "```"]
+    for p in passes:
+        counts = p.counts()
+        out += ["", f"## pytest: {p.label}", "", f"`{p.command}`", "",
+                f"rc {p.rc}{_rc_meaning(p.rc)}, {p.seconds:.0f} s"]
+        if p.tests is None:
+            out += ["", "No junit XML was written. End of the log:", "", "```", p.log_tail.rstrip(), "```"]
+            continue
+        out += [f"passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]}, "
+                f"errors {counts[ERROR]} (of {len(p.tests)})", ""]
+        if p.rc != 0 and not (counts[FAILED] or counts[ERROR]) and p.log_tail:
+            out += ["End of the log:", "", "```", p.log_tail.rstrip(), "```", ""]
+        out += ["| test | outcome | s | detail |", "| --- | --- | --- | --- |"]
+        for t in sorted(p.tests, key=lambda t: t.test_id):
+            detail = "; ".join([t.detail] * bool(t.detail) + [f"{k}={v}" for k, v in t.properties])
+            mark = t.outcome.upper() if t.outcome in (FAILED, ERROR) else t.outcome
+            out.append(f"| `{_cell(t.test_id)}` | {mark} | {t.seconds:.1f} | {_cell(detail)} |")
+    for n in not_run:
+        out += ["", f"## pytest: {n.label}", "", f"not run: {n.reason}"]
+    out += ["", "## Verdict", "", line, ""]
+    return "\n".join(out), ok
+
+
+def _read(path: str, default: str | None = None) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return default
+
+
+def _tail(text: str | None, lines: int = 40) -> str:
+    return "\n".join((text or "(no log)").splitlines()[-lines:])
+
+
+def load_pass(out_dir: str, spec: str) -> PassResult:
+    """``LABEL|RC|SECONDS|XML|LOG|COMMAND`` (XML and LOG relative to ``out_dir``)."""
+    label, rc, seconds, xml, log, command = spec.split("|", 5)
+    xml_path = os.path.join(out_dir, xml)
+    tests = None
+    if os.path.exists(xml_path) and os.path.getsize(xml_path):
+        try:
+            tests = parse_junit(xml_path)
+        except ET.ParseError as err:  # pytest killed while writing it
+            print(f"gpu_check_record: {xml_path}: unreadable ({err})", file=sys.stderr)
+    return PassResult(label=label, rc=int(rc), seconds=float(seconds), command=command, tests=tests,
+                      log_tail=_tail(_read(os.path.join(out_dir, log))))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--dirty", default="unknown", help="1, 0 or unknown")
+    parser.add_argument("--command", default="bash tools/gpu_check.sh OUT")
+    parser.add_argument("--date", default=None, help="ISO date, UTC (default: now)")
+    parser.add_argument("--seconds", type=float, default=None, help="wall time of the whole check")
+    parser.add_argument("--demo-rc", type=int, default=None, help="the demo's exit status (omit: not run)")
+    parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="LABEL|RC|S|XML|LOG|CMD")
+    parser.add_argument("--not-run", action="append", default=[], metavar="LABEL|REASON")
+    parser.add_argument("--output", default="gpu_check.md", help="file name inside out_dir")
+    args = parser.parse_args(argv)
+    date = args.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    text, ok = render(
+        commit=args.commit, dirty=args.dirty, date=date, command=args.command,
+        device_text=_read(os.path.join(args.out_dir, "device.txt"), "(device.txt missing)"),
+        demo_text=_read(os.path.join(args.out_dir, "demo.txt"), ""), demo_rc=args.demo_rc,
+        passes=[load_pass(args.out_dir, spec) for spec in args.passes],
+        not_run=[NotRun(*spec.split("|", 1)) for spec in args.not_run], seconds=args.seconds,
+    )
+    with open(os.path.join(args.out_dir, args.output), "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text.rsplit("## Verdict", 1)[1].strip())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

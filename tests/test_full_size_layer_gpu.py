@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_arrays import perturb_allocator, random_on_device
 
 from moe_jax import MoEConfig, moe_forward, param_shapes, resolve, router
 from moe_jax.nvfp4 import NVFP4Tensor
@@ -49,28 +50,6 @@ FORCE = 12.0  # the forced tokens' component along u: logit ~12 for HIGH, ~N(0, 
 TIE = 1e-4  # top-8 margins (selection score) below this may legitimately route differently
 MARGIN = 1e-3  # the other checked tokens have at least this margin
 TOLERANCE = 1e-2  # relative, per token; bf16 rounding of the SwiGLU and expert outputs ~3e-3
-CHUNK = 16  # experts generated per step
-
-
-def perturb_allocator() -> None:
-    """Allocate and free 4 GiB, so later buffers land where the failing runs had them."""
-    a = jnp.ones((1 << 30,), jnp.float32)
-    a.block_until_ready()
-    del a
-
-
-def random_on_device(key, shape, make) -> jax.Array:
-    """``make(key, chunk_shape)`` over chunks of the leading axis, written in place into one
-    array, so the peak is the array plus one chunk."""
-    chunk = jax.jit(make, static_argnums=1)
-    update = jax.jit(lambda buf, part, start: jax.lax.dynamic_update_slice_in_dim(buf, part, start, axis=0),
-                     donate_argnums=0)
-    buf = None
-    for i, start in enumerate(range(0, shape[0], CHUNK)):
-        part = chunk(jax.random.fold_in(key, i), (min(CHUNK, shape[0] - start), *shape[1:]))
-        buf = jnp.zeros(shape, part.dtype) if buf is None else buf
-        buf = update(buf, part, start)
-    return buf
 
 
 def random_nvfp4(key, shape) -> NVFP4Tensor:
@@ -79,9 +58,9 @@ def random_nvfp4(key, shape) -> NVFP4Tensor:
     *lead, n, k = shape
     k_w, k_s = jax.random.split(key)
     if lead:
-        packed = random_on_device(k_w, (*lead, n, k // 2), lambda key, s: jax.random.bits(key, s, jnp.uint8))
+        packed = random_on_device(k_w, (*lead, n, k // 2), lambda key, s: jax.random.bits(key, s, jnp.uint8), chunk=16)
         scales = random_on_device(k_s, (*lead, n, k // 16), lambda key, s: jax.random.uniform(
-            key, s, jnp.float32, minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn))
+            key, s, jnp.float32, minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn), chunk=16)
     else:
         packed = jax.random.bits(k_w, (n, k // 2), jnp.uint8)
         scales = jax.random.uniform(k_s, (n, k // 16), jnp.float32, minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn)

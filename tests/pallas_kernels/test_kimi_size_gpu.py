@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_arrays import perturb_allocator, random_on_device
 
 from moe_jax.nvfp4 import NVFP4Tensor
 from pallas_kernels.grouped_matmul import gate_up_swiglu, grouped_matmul, reference
@@ -55,7 +56,6 @@ HOT_ROWS = 301
 PADDED_ROWS = 1024  # rows of x for the block patterns: the defined rows, then padding
 TOLERANCE = 1e-2
 DECODE_TOKENS, PREFILL_TOKENS = 32, 2048
-CHUNK = 8  # experts generated per step: bounds the temporary memory while building weights
 
 # op name -> (kernel, weight rows N, contraction K, output columns)
 OPS = {
@@ -68,28 +68,6 @@ def _capability() -> int:
     """``major * 10 + minor`` of the first GPU, as moe_jax.resolve derives it (90 for an H200)."""
     major, minor = jax.devices("gpu")[0].compute_capability.split(".")[:2]
     return 10 * int(major) + int(minor)
-
-
-def perturb_allocator() -> None:
-    """Allocate and free 4 GiB, so later buffers land where the failing runs had them."""
-    a = jnp.ones((1 << 30,), jnp.float32)
-    a.block_until_ready()
-    del a
-
-
-def random_on_device(key, shape, make) -> jax.Array:
-    """``make(key, chunk_shape)`` for chunks of ``CHUNK`` experts, written in place into one
-    ``shape`` array: the peak is the array plus one chunk, never a float32 copy of it all."""
-    chunk = jax.jit(make, static_argnums=1)
-    update = jax.jit(lambda buf, part, start: jax.lax.dynamic_update_slice_in_dim(buf, part, start, axis=0),
-                     donate_argnums=0)
-    buf = None
-    for i, start in enumerate(range(0, shape[0], CHUNK)):
-        part = chunk(jax.random.fold_in(key, i), (min(CHUNK, shape[0] - start), *shape[1:]))
-        buf = jnp.zeros(shape, part.dtype) if buf is None else buf
-        buf = update(buf, part, start)
-    buf.block_until_ready()
-    return buf
 
 
 def random_weights(key, fmt: str, n: int, k: int):

@@ -417,13 +417,8 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: pathlib.Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+def _plot_exchanges(ax1, results: dict):
+    """Left panel: GB/s of every exchange at the largest tokens per device, NCCL as lines."""
     largest = max(r["tokens_per_device"] for r in results["exchange"])
     names = [n for n in dict.fromkeys(r["name"] for r in results["exchange"])]
     eps = sorted({r["ep"] for r in results["exchange"]})
@@ -441,6 +436,20 @@ def plot(results: dict, path: pathlib.Path):
     ax1.set_xlabel("GB/s sent to other devices, per device")
     ax1.set_title(f"{largest} tokens/device")
     ax1.legend(fontsize=7)
+
+
+def plot(results: dict, path: pathlib.Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    if not results["exchange"]:
+        ax1.set_axis_off()
+        ax1.text(0.5, 0.5, "no exchange measured in this run", ha="center", va="center")
+    else:
+        _plot_exchanges(ax1, results)
     for tokens in sorted({r["tokens"] for r in results["layer"]}):
         pts = [(r["ep"], r["tokens_per_s"]) for r in results["layer"] if r["tokens"] == tokens and "tokens_per_s" in r]
         if pts:
@@ -458,7 +467,8 @@ def plot(results: dict, path: pathlib.Path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path)
-    parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ep", type=int, nargs="+", default=[2, 4],
+                        help="expert-parallel sizes beside EP=1 (--ep 1: the EP=1 layer rows alone)")
     parser.add_argument("--exchange-tokens", type=int, nargs="+", default=[16, 4096], help="tokens per device")
     parser.add_argument("--layer-tokens", type=int, nargs="+", default=[32, 512, 8192], help="tokens in all")
     parser.add_argument("--iters", type=int, default=20)
@@ -498,8 +508,9 @@ def main():
                "nccl": {}, "exchange": [], "layer": []}
     save = lambda: (args.out / "expert_parallel.json").write_text(json.dumps(results, indent=1))
 
+    parallel = sorted(set(args.ep) - {1})
     if not (args.smoke or args.skip_nccl):  # before JAX allocates GPU memory
-        for ep in args.ep:
+        for ep in parallel:
             results["nccl"][str(ep)] = measure_nccl(ep, [t * config.top_k for t in args.exchange_tokens],
                                                      config.hidden_size, args.iters)
             print("nccl", ep, results["nccl"][str(ep)], flush=True)
@@ -512,7 +523,7 @@ def main():
     results.update(device=f"{len(devices)} x {devices[0].device_kind}", jax=jax.__version__,
                    layer_expert_gemm=", ".join(moe_jax.EXPERT_GEMM.names()))
     save()
-    for ep in args.ep:
+    for ep in parallel:
         for tokens in args.exchange_tokens:
             try:
                 results["exchange"] += exchange_benchmarks(
@@ -523,7 +534,7 @@ def main():
                                             "wire_bytes": 0, "error": traceback.format_exc()[-600:]})
             save()
     if not args.skip_layer:
-        layer_benchmarks([1, *args.ep], args.layer_tokens, config, args.layer_iters, results["layer"], save)
+        layer_benchmarks([1, *parallel], args.layer_tokens, config, args.layer_iters, results["layer"], save)
     save()
     report(results, args.out)
 

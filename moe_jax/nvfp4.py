@@ -8,9 +8,13 @@ An NVFP4 matrix ``W [N, K]`` (out, in) is stored as
 
 and ``W ~= e2m1(code) * fp32(scale) * global_scale``. Leading axes (experts) batch.
 
-The quantizer follows ModelOpt's ``NVFP4QTensor`` recipe to the bit, including its
-two corner cases: a block whose amax is zero gets the scale 1.0, and a block whose
-scale rounds to zero in E4M3 quantizes to code 7 (its values dequantize to zero).
+The quantizer follows the recipe of ModelOpt 0.47.0's ``NVFP4QTensor.quantize`` to the bit,
+including its corner cases: a block whose amax is zero gets the scale 1.0, and every other
+block scale is clamped to ``[2**-9, 448]`` (E4M3's smallest subnormal and largest normal)
+before the E4M3 cast, so a block far below the matrix's amax keeps real codes instead of
+underflowing to scale 0. ModelOpt added that clamp in 0.45.0; up to 0.44 it stored scale 0
+and code 7 for blocks with ``block_amax / (6 * global) <= 2**-10``. Checkpoints made that way
+still dequantize exactly as stored (those blocks read as zero).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
 
 #: The value of each E2M1 code 0..15; bit 3 is the sign.
 E2M1_VALUES = np.array(
@@ -128,16 +133,28 @@ def _check_quantizable(w, name: str) -> None:
 
 
 def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
-    """Quantizes ``w [..., N, K]`` with ModelOpt's NVFP4 recipe, one global scale per matrix.
+    """Quantizes ``w [..., N, K]`` with ModelOpt 0.47.0's NVFP4 recipe, one global scale per matrix.
 
-    ``global = amax(|W|) / (6 * 448)``; ``block = e4m3(block_amax / (6 * global))`` (1.0 where
-    that ratio is 0); ``code = e2m1_rne(W / (fp32(block) * global))``. All arithmetic in float32.
+    ``global = amax(|W|) / (6 * 448)``;
+    ``block = e4m3(clamp(block_amax / (6 * global), 2**-9, 448))``, with the ratio replaced by 1.0
+    where it is 0 (an all-zero block) before the clamp;
+    ``code = e2m1_rne(W / (fp32(block) * global))``. All arithmetic in float32. This is
+    ``NVFP4QTensor.quantize`` of ModelOpt 0.47.0 (``get_weights_scaling_factor`` and
+    ``_cast_per_block_scale_to_fp8``), with one deliberate difference: an all-zero matrix makes
+    ModelOpt's ratio 0/0 = NaN, stored as a NaN scale, and its elements 0/0, stored as code 7;
+    here those scales are 1.0 and the codes 0, as for any all-zero block.
 
     Concrete inputs are quantized on the host CPU, where the result is verified bit for bit
     against an independent implementation of ModelOpt's recipe, and the result is put back where
     ``w`` was. On an H200, XLA:GPU's version of the same float32 arithmetic changed a few
     codes (benchmarks/NOTES.md, "NVFP4 quantization on a GPU"), so a one-time conversion does
     not run there. Traced inputs (inside ``jit``) run where the computation runs.
+
+    ModelOpt itself usually runs on a GPU, where PyTorch computes ``amax / 2688`` as
+    ``amax * fp32(1 / 2688)``; that rounds differently from the true division used here, so a
+    checkpoint's ``weight_scale_2`` can be one ulp away from what this function computes for the
+    same weights (and block scales and codes can follow it). The checkpoint is the truth: a
+    loader must never re-quantize tensors a checkpoint already holds in NVFP4.
 
     Raises:
       ValueError: rank < 2, K not a multiple of 16, a non-floating dtype, or (for concrete
@@ -174,9 +191,16 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
     ratio = _true_divide(block_amax, jnp.float32(E2M1_MAX) * global_scale[..., None, None])
     # A zero matrix makes ratio 0/0; ModelOpt leaves that NaN, which would poison the scale.
     ratio = jnp.where((ratio == 0) | jnp.isnan(ratio), jnp.float32(1.0), ratio)
+    # ModelOpt >= 0.45 clamps to E4M3's range, so a tiny block keeps the smallest subnormal
+    # scale (2**-9) and real codes rather than rounding to scale 0.
+    ratio = jnp.clip(ratio, jnp.float32(E4M3_MIN_SUBNORMAL), jnp.float32(E4M3_MAX))
     scales = ratio.astype(jnp.float8_e4m3fn)
     denom = scales.astype(jnp.float32) * global_scale[..., None, None]
-    codes = e2m1_encode(_true_divide(w_blocks, denom[..., None]).reshape(*lead, n, k))
+    scaled = _true_divide(w_blocks, denom[..., None])
+    # In an all-zero matrix (global scale 0) every element is 0/0; ModelOpt encodes that NaN
+    # as code 7, which reads as 6 * scale if the global scale is ever replaced. Zero is code 0.
+    scaled = jnp.where(w_blocks == 0, jnp.float32(0.0), scaled)
+    codes = e2m1_encode(scaled.reshape(*lead, n, k))
     return NVFP4Tensor(packed=pack_codes(codes), scales=scales, global_scale=global_scale)
 
 
@@ -187,3 +211,33 @@ def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
     block_scale = t.scales.astype(jnp.float32) * t.global_scale[..., None, None]
     w = values.reshape(*lead, n, k // BLOCK, BLOCK) * block_scale[..., None]
     return w.reshape(*lead, n, k).astype(dtype)
+
+
+def random(key: jax.Array, shape: tuple[int, ...], *, sharding=None) -> NVFP4Tensor:
+    """Random NVFP4 ``[..., N, K]`` drawn in the stored format, made where it will live.
+
+    Uniform codes (all 16), block scales uniform in [0.5, 1.5] before their E4M3 rounding, and a
+    global scale ``0.3 / (6 sqrt(K))`` that keeps a product with unit-variance inputs of order
+    0.1. For benchmarks, examples and tests at full size, where quantizing dense random
+    weights would cost minutes and a dense float32 copy (Kimi K2's experts: 45 GB).
+
+    Args:
+      key: a JAX PRNG key.
+      shape: the logical shape ``[..., N, K]``, K a multiple of 16.
+      sharding: where to make the arrays: one ``jax.sharding.Sharding`` for all three, an
+        ``NVFP4Tensor`` of shardings, or None for the default device.
+    """
+    *lead, n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"shape: K = {k}, expected a multiple of {BLOCK}")
+    lead = tuple(lead)
+
+    def make(key):
+        k_codes, k_scales = jax.random.split(key)
+        return NVFP4Tensor(
+            packed=jax.random.bits(k_codes, (*lead, n, k // 2), jnp.uint8),
+            scales=jax.random.uniform(k_scales, (*lead, n, k // BLOCK), minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn),
+            global_scale=jnp.full(lead, 0.3 / (E2M1_MAX * np.sqrt(k)), jnp.float32),
+        )
+
+    return jax.jit(make, out_shardings=sharding)(key)

@@ -1,8 +1,8 @@
 """NVFP4 against an independent float32 re-implementation of ModelOpt's recipe.
 
-The reference below follows NVIDIA ModelOpt's NVFP4QTensor step by step (searchsorted on
-the E2M1 midpoints, the zero-scale rule, the fp32 products) in numpy + ml_dtypes; it shares
-no code with moe_jax.nvfp4.
+The reference below follows NVIDIA ModelOpt 0.47.0's NVFP4QTensor.quantize step by step
+(searchsorted on the E2M1 midpoints, the zero-scale rule, the clamp of block scales to
+E4M3's range, the fp32 products) in numpy + ml_dtypes; it shares no code with moe_jax.nvfp4.
 """
 
 import jax
@@ -24,6 +24,10 @@ def modelopt_quantize_np(w: np.ndarray):
     blocks = w.reshape(*lead, n, k // 16, 16)
     per_block = (np.abs(blocks).max(-1) / (np.float32(6.0) * g[..., None, None])).astype(np.float32)
     per_block[per_block == 0] = 1.0
+    # ModelOpt >= 0.45 clamps to [smallest subnormal, largest normal] of E4M3 before the cast
+    # (_cast_per_block_scale_to_fp8); torch's clamp keeps NaN, and so does np.clip.
+    e4m3 = ml_dtypes.finfo(ml_dtypes.float8_e4m3fn)
+    per_block = np.clip(per_block, np.float32(e4m3.smallest_subnormal), np.float32(e4m3.max))
     scale = per_block.astype(ml_dtypes.float8_e4m3fn)
     with np.errstate(divide="ignore", invalid="ignore"):
         scaled = blocks / (scale.astype(np.float32) * g[..., None, None])[..., None]
@@ -89,6 +93,49 @@ def test_zero_blocks_get_scale_one_and_code_zero(rng):
     assert float(t.scales[1, 1].astype(jnp.float32)) == 1.0
     np.testing.assert_array_equal(np.asarray(nvfp4.unpack_codes(t.packed))[1, 16:32], 0)
     np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(t))[1, 16:32], 0.0)
+
+
+def test_an_all_zero_matrix_gets_scale_one_where_modelopt_stores_nan():
+    # The documented convention: ModelOpt's global scale is 0 there, its block ratio 0/0 = NaN
+    # survives both the zero rule and the clamp, and it stores NaN scales; moe-jax stores 1.0.
+    w = np.zeros((4, 32), np.float32)
+    t = nvfp4.quantize(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(t.scales.astype(jnp.float32)), 1.0)
+    np.testing.assert_array_equal(np.asarray(nvfp4.unpack_codes(t.packed)), 0)
+    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(t)), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        packed, scale, g = modelopt_quantize_np(w)
+    assert float(g) == 0.0 and np.isnan(scale.astype(np.float32)).all()
+
+
+def test_tiny_blocks_keep_real_codes_at_the_smallest_scale(rng):
+    # One outlier of 300 makes global = 300 / 2688; Gaussian blocks with std 3e-4 then have
+    # block_amax / (6 * global) around 2**-10. ModelOpt <= 0.44 (and moe-jax, until it followed
+    # 0.47) rounded those scales to E4M3 zero and stored code 7: the blocks read as zero. Since
+    # 0.45 the scale is clamped to 2**-9 and the blocks keep real codes.
+    w = (rng.standard_normal((128, 256)) * 3e-4).astype(np.float32)
+    w[5, 37] = 300.0
+    t = nvfp4.quantize(jnp.asarray(w))
+    packed, scale, g = modelopt_quantize_np(w)
+    np.testing.assert_array_equal(np.asarray(t.packed), packed)
+    np.testing.assert_array_equal(np.asarray(t.scales).view(np.uint8), scale.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(t.global_scale), g)
+
+    blocks = w.reshape(128, 16, 16)
+    ratio = np.abs(blocks).max(-1) / (6 * np.float64(g))
+    tiny = ratio <= 2.0**-10  # the blocks that underflowed to scale 0 before the clamp
+    assert tiny.mean() > 0.2, tiny.mean()  # about 40% with this std
+    scales = np.asarray(t.scales.astype(jnp.float32))
+    assert (scales > 0).all()
+    np.testing.assert_array_equal(scales[tiny], 2.0**-9)
+    deq = np.asarray(nvfp4.dequantize(t)).reshape(128, 16, 16)
+    assert (np.abs(deq[tiny]).max(-1) > 0).all()
+    codes = np.asarray(nvfp4.unpack_codes(t.packed)).reshape(128, 16, 16)
+    assert not (codes[tiny] == 7).all(-1).any()
+    # Close to the input: the step at scale 2**-9 is coarse, yet far from the 100% error of zero.
+    rel = np.linalg.norm(deq[tiny] - blocks[tiny]) / np.linalg.norm(blocks[tiny])
+    assert rel < 0.3, rel
+    np.testing.assert_allclose(deq.reshape(w.shape), decode_np(packed, scale, g), rtol=1e-6, atol=0)
 
 
 def test_saturates_at_six_when_the_block_scale_rounds_down():

@@ -1,7 +1,8 @@
 """moe-jax: Mixture-of-Experts layers for JAX, correct and expert-parallel from SM80 to SM120.
 
 Start with :class:`MoEConfig`, :func:`resolve` and :func:`moe_forward` (or the Flax NNX
-module :class:`MoE`). ``moe-jax explain --preset kimi_k2`` prints what would run where.
+module :class:`MoE`); :func:`load_moe_layer` reads a layer of a ModelOpt NVFP4 checkpoint.
+``moe-jax explain --preset kimi_k2`` prints what would run where.
 """
 
 import importlib
@@ -16,16 +17,19 @@ from moe_jax.resolve import ResolutionError, resolve
 # The registries, the layer and the module load the kernels, the collectives and Flax: they
 # are imported on first use (PEP 562), so that importing the package or its config does not.
 _LAZY = {
+    "CheckpointError": "moe_jax.checkpoint",
+    "load_moe_layer": "moe_jax.checkpoint",
+    "save_moe_layer": "moe_jax.checkpoint",
     "EXCHANGE": "moe_jax.exchange",
     "EXPERT_GEMM": "moe_jax.experts",
     "MoE": "moe_jax.module",
     **dict.fromkeys(
         ("check_params", "init_params", "moe_forward", "param_shapes", "param_shardings", "quantize_params",
-         "reference_forward", "shard_params"),
+         "random_params", "reference_forward", "shard_params"),
         "moe_jax.layer",
     ),
 }
-_SUBMODULES = ("exchange", "experts", "layer", "module")
+_SUBMODULES = ("checkpoint", "exchange", "experts", "layer", "module")
 
 
 def __getattr__(name: str):
@@ -44,8 +48,8 @@ def __dir__():
 
 
 __all__ = [
-    "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan", "Registry",
-    "ResolutionError", "Target", "check_params", "init_params", "moe_forward", "nvfp4",
-    "param_shapes", "param_shardings", "quantize_params", "reference_forward", "resolve", "router",
-    "shard_params",
+    "CheckpointError", "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan",
+    "Registry", "ResolutionError", "Target", "check_params", "init_params", "load_moe_layer", "moe_forward", "nvfp4",
+    "param_shapes", "param_shardings", "quantize_params", "random_params", "reference_forward", "resolve", "router",
+    "save_moe_layer", "shard_params",
 ]

@@ -10,7 +10,10 @@ loads no kernels and no collectives.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+from pathlib import Path
 from typing import Literal, get_args
 
 from moe_jax.auto import AUTO
@@ -45,7 +48,10 @@ class MoEConfig:
       router_bias: the router has a per-expert correction bias used for selection only.
 
     Weights and activations:
-      weight_format: expert weights in ``"bf16"`` or ``"nvfp4"`` (ModelOpt layout).
+      weight_format: routed expert weights in ``"bf16"`` or ``"nvfp4"`` (ModelOpt layout).
+      shared_weight_format: the shared expert's weights, ``"bf16"`` or ``"nvfp4"``; None means
+        the same as ``weight_format``. NVIDIA's NVFP4 exports of Kimi K2 keep the shared expert
+        in bf16 while the routed experts are NVFP4. :attr:`shared_format` is the effective one.
       dtype: activation dtype.
 
     Implementations (each ``"auto"`` or a registered name, checked by ``resolve``; see
@@ -77,6 +83,7 @@ class MoEConfig:
     router_bias: bool = False
 
     weight_format: WeightFormat = "bf16"
+    shared_weight_format: WeightFormat | None = None
     dtype: ActivationDtype = "bfloat16"
 
     expert_gemm: str = AUTO
@@ -117,10 +124,21 @@ class MoEConfig:
         if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
                 and self.routed_scaling_factor > 0):
             _fail("routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
+        if self.shared_weight_format is not None:
+            if self.shared_weight_format not in get_args(WeightFormat):
+                allowed = ", ".join(map(repr, (None, *get_args(WeightFormat))))
+                _fail("shared_weight_format", self.shared_weight_format, f"must be one of {allowed}")
+            if self.num_shared_experts == 0:
+                _fail("shared_weight_format", self.shared_weight_format, "needs num_shared_experts >= 1")
         if self.weight_format == "nvfp4":
             for field in ("hidden_size", "expert_intermediate_size"):
                 if getattr(self, field) % 16:
                     _fail(field, getattr(self, field), "must be a multiple of 16 for NVFP4 weights (one scale per 16)")
+        if self.num_shared_experts and self.shared_format == "nvfp4":
+            # The shared down projection is [H, S]: its input dimension S needs whole blocks too.
+            for field, value in (("hidden_size", self.hidden_size), ("shared_intermediate_size", self.shared_size)):
+                if value % 16:
+                    _fail(field, value, "must be a multiple of 16 for NVFP4 shared-expert weights (one scale per 16)")
         if not isinstance(self.expert_axis, str) or not self.expert_axis:
             _fail("expert_axis", self.expert_axis, "must be a non-empty mesh axis name")
         if self.capacity_factor is not None and not (
@@ -140,6 +158,12 @@ class MoEConfig:
                 _fail("num_groups", self.num_groups, "needs >= 2 experts per group (a group scores by its top 2)")
             if self.top_k > self.topk_groups * per_group:
                 _fail("top_k", self.top_k, f"must be <= topk_groups * experts per group = {self.topk_groups * per_group}")
+
+    @property
+    def shared_format(self) -> WeightFormat:
+        """The shared expert's effective weight format: ``shared_weight_format`` or, when that
+        is None, ``weight_format``."""
+        return self.weight_format if self.shared_weight_format is None else self.shared_weight_format
 
     @property
     def shared_size(self) -> int:
@@ -180,3 +204,92 @@ class MoEConfig:
         })
 
     PRESETS = ("kimi_k2", "deepseek_v3", "mixtral_8x7b")
+
+    @classmethod
+    def from_hf_config(cls, config_json: dict | str | os.PathLike, **overrides) -> MoEConfig:
+        """The MoE layer of a DeepSeek-V3-architecture model (DeepSeek-V3/R1, Kimi K2) from
+        its Hugging Face ``config.json``.
+
+        Args:
+          config_json: the parsed ``config.json``, or the path of that file or of the
+            directory holding it.
+          overrides: fields to set on top (``weight_format``, ``expert_gemm``, ...).
+
+        Maps ``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``,
+        ``num_experts_per_tok``, ``n_shared_experts``, ``n_group``, ``topk_group``,
+        ``routed_scaling_factor``, ``scoring_func`` (``sigmoid``/``softmax``), ``topk_method``
+        (``noaux_tc``: selection with the ``e_score_correction_bias``, group-limited as
+        DeepSeek-V3 does it; ``greedy``: plain top-k, groups unused) and ``norm_topk_prob``.
+        Kimi K2's values are 7168 / 2048 / 384 / 8 / 1 / 1 / 1 / 2.827 / sigmoid / noaux_tc /
+        true. Weight formats are not read here: they are per layer and per group, and
+        :func:`moe_jax.checkpoint.load_moe_layer` sets them from what the checkpoint stores.
+        Which layers are MoE layers: :func:`moe_jax.checkpoint.moe_layer_indices`.
+
+        Raises:
+          ValueError: one line naming the key that is missing, of the wrong type or unsupported
+            (e.g. ``topk_method = 'group_limited_greedy'``), or the field a value breaks.
+        """
+        hf, where = read_hf_config(config_json)
+        ints = {"hidden_size": "hidden_size", "moe_intermediate_size": "expert_intermediate_size",
+                "n_routed_experts": "num_experts", "num_experts_per_tok": "top_k",
+                "n_shared_experts": "num_shared_experts", "n_group": "num_groups", "topk_group": "topk_groups"}
+        fields = {field: hf_int(hf, key, where) for key, field in ints.items()}
+        fields["routed_scaling_factor"] = float(_hf_value(hf, "routed_scaling_factor", (int, float), where))
+        fields["normalize"] = _hf_value(hf, "norm_topk_prob", bool, where)
+        scoring = _hf_value(hf, "scoring_func", str, where)
+        if scoring not in get_args(Scoring):
+            raise ValueError(f"{where}: scoring_func = {scoring!r} is not supported, expected one of "
+                             f"{', '.join(map(repr, get_args(Scoring)))}")
+        fields["scoring"] = scoring
+        method = _hf_value(hf, "topk_method", str, where)
+        match method:
+            case "noaux_tc":
+                fields["router_bias"] = True
+            case "greedy":
+                # Plain top-k over all experts: DeepSeek's greedy ignores n_group/topk_group.
+                fields.update(router_bias=False, num_groups=1, topk_groups=1)
+            case _:
+                # Not assert_never: this is input, and the other methods (DeepSeek-V2's
+                # group_limited_greedy scores a group by its best expert) are not implemented.
+                raise ValueError(f"{where}: topk_method = {method!r} is not supported, expected 'noaux_tc' or 'greedy'")
+        try:
+            return cls(**{**fields, **overrides})
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+
+def read_hf_config(config_json: dict | str | os.PathLike) -> tuple[dict, str]:
+    """``(config dict, where)`` from a parsed ``config.json`` or the path of the file or of its
+    directory; ``where`` names the source in error messages."""
+    if isinstance(config_json, dict):
+        return config_json, "config.json"
+    if not isinstance(config_json, (str, os.PathLike)):
+        raise ValueError(f"config_json: {type(config_json).__name__}, expected a dict or the path of config.json")
+    path = Path(config_json)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config_json: {path} does not exist, expected a Hugging Face config.json") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: a JSON {type(hf).__name__}, expected an object")
+    return hf, str(path)
+
+
+def _hf_value(hf: dict, key: str, types, where: str):
+    if key not in hf:
+        raise ValueError(f"{where}: key {key!r} is missing")
+    value = hf[key]
+    # bool is an int subclass: a true/false where a number belongs is a mistake, and vice versa.
+    if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ValueError(f"{where}: {key} = {value!r}, expected {names}")
+    return value
+
+
+def hf_int(hf: dict, key: str, where: str = "config.json") -> int:
+    """``hf[key]`` as an int, or a one-line ValueError naming the key."""
+    return _hf_value(hf, key, int, where)

@@ -67,9 +67,12 @@ class Plan:
     @property
     def report(self) -> str:
         cfg = self.config
+        weights = f"{cfg.weight_format} weights"
+        if cfg.num_shared_experts and cfg.shared_format != cfg.weight_format:
+            weights = f"{cfg.weight_format} expert weights, {cfg.shared_format} shared-expert weights"
         head = (
             f"moe-jax plan: {cfg.num_experts} experts, top-{cfg.top_k}, hidden {cfg.hidden_size}, "
-            f"expert intermediate {cfg.expert_intermediate_size}, {cfg.weight_format} weights\n"
+            f"expert intermediate {cfg.expert_intermediate_size}, {weights}\n"
             f"  target: {self.target.describe()}"
         )
         return "\n".join([head, *(line for d in self.decisions for line in d.lines())])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh
+from tqdm import tqdm
 
 from moe_jax.config import MoEConfig
 from moe_jax.layer import init_params, moe_forward, quantize_params, reference_forward
@@ -24,30 +26,39 @@ from moe_jax.resolve import resolve
 DEMO_SHAPE = dict(num_experts=64, top_k=8, hidden_size=1024, expert_intermediate_size=256)
 
 
-class Progress:
-    """A one-line progress bar on stderr; without a terminal, one line when done."""
+class UsageError(Exception):
+    """A flag value that parsing alone cannot judge (it depends on the preset or on the
+    devices here); :func:`main` reports it as argparse reports its own errors."""
 
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.done, self.start = label, total, 0, time.perf_counter()
-        self.live = sys.stderr.isatty()
-        self._draw()
 
-    def update(self, n: int = 1):
-        self.done += n
-        self._draw()
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every error on one line of stderr (exit status 2): the usage block it
+    prints by default buries the one line that says what is wrong."""
 
-    def _draw(self):
-        finished = self.done >= self.total
-        if not (self.live or finished):
-            return
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.start
-        sys.stderr.write(
-            f"\r  {self.label:<28} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.1f}s"
-            + ("\n" if finished else "")
-        )
-        sys.stderr.flush()
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}, expected an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}, expected an int >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=`` for tolerances: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}, expected a float > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{value}, expected a finite float > 0")
+    return value
 
 
 def _config(args):
@@ -60,24 +71,53 @@ def _config(args):
 
 
 def _devices_or_mesh(args, config):
+    """The abstract mesh of ``--device-kind``, a mesh over ``--ep`` of this machine's devices,
+    or None for one device.
+
+    Raises:
+      UsageError: ``--ep`` does not divide the preset's experts, or (without
+        ``--device-kind``) exceeds the devices here.
+    """
+    if config.num_experts % args.ep:
+        divisors = [d for d in range(1, config.num_experts + 1) if config.num_experts % d == 0]
+        raise UsageError(
+            f"argument --ep: {args.ep} does not divide the {config.num_experts} experts of preset "
+            f"{args.preset!r}; expected one of {divisors}"
+        )
     if args.device_kind:
         device = AbstractDevice(device_kind=args.device_kind, num_cores=None, platform=args.platform)
         return AbstractMesh((args.ep,), (config.expert_axis,), abstract_device=device)
-    if args.ep > 1:
-        return jax.make_mesh((args.ep,), (config.expert_axis,), devices=jax.devices()[: args.ep])
-    return None
+    if args.ep == 1:
+        return None
+    devices = jax.devices()
+    if args.ep > len(devices):
+        raise UsageError(
+            f"argument --ep: {args.ep}, but this machine has {len(devices)} {devices[0].platform} device(s); "
+            f"expected at most {len(devices)}, or --device-kind to plan for devices that are not here"
+        )
+    return jax.make_mesh((args.ep,), (config.expert_axis,), devices=devices[: args.ep])
 
 
 def explain(args) -> int:
     try:
         config = _config(args)
-        plan = resolve(config, _devices_or_mesh(args, config), training=args.training,
-                       tokens_per_device=args.tokens_per_device)
-    except ValueError as err:  # an invalid config or one that cannot resolve (ResolutionError)
+    except ValueError as err:  # a name or value MoEConfig rejects
+        print(f"cannot resolve: {err}", file=sys.stderr)
+        return 1
+    target = _devices_or_mesh(args, config)
+    try:
+        plan = resolve(config, target, training=args.training, tokens_per_device=args.tokens_per_device)
+    except ValueError as err:  # nothing can run it there (ResolutionError)
         print(f"cannot resolve: {err}", file=sys.stderr)
         return 1
     print(plan.report)
     return 0
+
+
+def _bar(label: str, total: int) -> tqdm:
+    """A progress bar on stderr; none without a terminal (``disable=None``), so piped or
+    logged output holds only the results printed on stdout."""
+    return tqdm(total=total, desc=label, file=sys.stderr, disable=None, leave=True)
 
 
 def demo(args) -> int:
@@ -86,39 +126,40 @@ def demo(args) -> int:
     config = MoEConfig.kimi_k2(**DEMO_SHAPE, weight_format="nvfp4")
     ep = max(n for n in range(1, len(devices) + 1) if config.num_experts % n == 0 and len(devices) % n == 0)
     mesh = jax.make_mesh((ep,), (config.expert_axis,), devices=devices[:ep]) if ep > 1 else None
-    plan = resolve(config, mesh, tokens_per_device=args.tokens // ep)
+    plan = resolve(config, mesh, tokens_per_device=-(-args.tokens // ep))
     print(plan.report)
 
-    bar = Progress("initializing + quantizing", 2)
-    unquantized = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(args.seed))
-    bar.update()
-    params = quantize_params(unquantized)
-    jax.block_until_ready(params)
-    bar.update()
+    with _bar("initializing + quantizing", 2) as bar:
+        unquantized = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(args.seed))
+        bar.update()
+        params = quantize_params(unquantized)
+        jax.block_until_ready(params)
+        bar.update()
     x = jax.random.normal(jax.random.key(args.seed + 1), (args.tokens, config.hidden_size), jnp.bfloat16)
 
     forward = jax.jit(moe_forward, static_argnums=2)
-    bar = Progress("compiling", 1)
-    y, stats = forward(params, x, plan)
-    jax.block_until_ready(y)
-    bar.update()
-
-    bar = Progress(f"timing {args.iters} calls", args.iters)
-    times = []
-    for _ in range(args.iters):
-        start = time.perf_counter()
-        jax.block_until_ready(forward(params, x, plan))
-        times.append(time.perf_counter() - start)
+    with _bar("compiling", 1) as bar:
+        y, stats = forward(params, x, plan)
+        jax.block_until_ready(y)
         bar.update()
+
+    times = []
+    with _bar(f"timing {args.iters} calls", args.iters) as bar:
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            jax.block_until_ready(forward(params, x, plan))
+            times.append(time.perf_counter() - start)
+            bar.update()
     median = float(np.median(times))
 
-    bar = Progress("float64 reference", 1)
-    x64 = np.asarray(x, np.float64)
-    ref = reference_forward(params, x64, config)
-    bar.update()
+    with _bar("float64 references", 2) as bar:
+        x64 = np.asarray(x, np.float64)
+        ref = reference_forward(params, x64, config)
+        bar.update()
+        ref_unq = reference_forward(unquantized, x64, dataclasses.replace(config, weight_format="bf16"))
+        bar.update()
     y64 = np.asarray(y, np.float64)
     err = np.linalg.norm(y64 - ref) / np.linalg.norm(ref)
-    ref_unq = reference_forward(unquantized, x64, dataclasses.replace(config, weight_format="bf16"))
     err_q = np.linalg.norm(ref - ref_unq) / np.linalg.norm(ref_unq)
 
     load = np.asarray(stats["tokens_per_expert"])
@@ -135,16 +176,16 @@ def demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="moe-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run a reduced Kimi-shaped NVFP4 layer and check it")
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tokens", type=positive_int, default=512, help="tokens per call, >= 1 (default 512)")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed calls, >= 1 (default 5)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-error", type=float, default=2e-2,
+    p.add_argument("--max-error", type=positive_float, default=2e-2,
                    help="fail above this relative error vs the float64 reference (default 2e-2)")
-    p.set_defaults(run=demo)
+    p.set_defaults(run=demo, parser=p)
 
     p = sub.add_parser("explain", help="print the resolution report")
     p.add_argument("--preset", choices=MoEConfig.PRESETS, default="kimi_k2")
@@ -152,14 +193,18 @@ def main(argv=None) -> int:
     p.add_argument("--expert-gemm")
     p.add_argument("--exchange")
     p.add_argument("--training", action="store_true")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a mesh over that many devices)")
-    p.add_argument("--tokens-per-device", type=int)
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert-parallel degree (a mesh over that many devices), a divisor of the experts")
+    p.add_argument("--tokens-per-device", type=positive_int, help="a size hint for auto, >= 1")
     p.add_argument("--device-kind", help="resolve for an abstract device of this kind (no hardware needed)")
     p.add_argument("--platform", default="cuda", help="platform of --device-kind")
-    p.set_defaults(run=explain)
+    p.set_defaults(run=explain, parser=p)
 
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as err:
+        args.parser.error(str(err))
 
 
 if __name__ == "__main__":

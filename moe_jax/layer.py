@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import assert_never
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from moe_jax.exchange import EXCHANGE
 from moe_jax.experts import EXPERT_GEMM, dense_weight, swiglu
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
+from pallas_kernels.grouped_matmul import reference as gmm_reference
 from sharding.mesh import (
     EXPERT_INTERMEDIATE, EXPERTS, HIDDEN, TOKENS, expert_parallel_rules, logical_to_spec, shard_tree, tree_specs,
 )
@@ -38,7 +40,12 @@ Params = dict
 
 
 def param_shapes(config: MoEConfig) -> dict:
-    """The logical shape of every parameter, in the layout of :func:`init_params`."""
+    """The logical shape of every parameter, in the layout of :func:`init_params`.
+
+    Shapes are those of the matrices the projections encode, whatever their format
+    (``config.weight_format`` for ``"experts"``, ``config.shared_format`` for ``"shared"``).
+    The optional ``"input_scales"`` group (see :func:`check_params`) is not listed.
+    """
     e, h, f, s = config.num_experts, config.hidden_size, config.expert_intermediate_size, config.shared_size
     shapes = {
         "router": {"w_eh": (e, h)},
@@ -52,42 +59,123 @@ def param_shapes(config: MoEConfig) -> dict:
 
 
 def init_params(config: MoEConfig, key: jax.Array) -> Params:
-    """Random parameters (fan-in scaled normal), projections in ``config.weight_format``."""
+    """Random parameters (fan-in scaled normal); routed projections in ``config.weight_format``,
+    shared ones in ``config.shared_format``."""
     shapes = param_shapes(config)
     keys = iter(jax.random.split(key, 8))
 
-    def projection(shape):
+    def projection(shape, weight_format):
         w = jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(shape[-1])
-        match config.weight_format:
+        match weight_format:
             case "bf16":
                 return w.astype(jnp.bfloat16)
             case "nvfp4":
                 return nvfp4.quantize(w)
+            case _ as unreachable:
+                assert_never(unreachable)
 
     params = {
         "router": {"w_eh": jax.random.normal(next(keys), shapes["router"]["w_eh"]) / math.sqrt(config.hidden_size)},
-        "experts": {name: projection(shape) for name, shape in shapes["experts"].items()},
+        "experts": {name: projection(shape, config.weight_format) for name, shape in shapes["experts"].items()},
     }
     if config.router_bias:
         # Zero, as DeepSeek-V3 starts it: training moves it to balance the load.
         params["router"]["bias_e"] = jnp.zeros((config.num_experts,), jnp.float32)
     if "shared" in shapes:
-        params["shared"] = {name: projection(shape) for name, shape in shapes["shared"].items()}
+        params["shared"] = {name: projection(shape, config.shared_format) for name, shape in shapes["shared"].items()}
     return params
 
 
-def quantize_params(params: Params) -> Params:
-    """The same parameters with every routed and shared projection quantized to NVFP4."""
+def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -> Params:
+    """Random parameters at full size, each array made where it will live.
+
+    Unlike :func:`init_params`, NVFP4 projections are drawn in their stored format
+    (:func:`moe_jax.nvfp4.random`) rather than quantized from dense weights, which at Kimi K2's
+    size would take minutes and a 45 GB float32 copy; bf16 projections are fan-in scaled
+    normals. For benchmarks and examples, not for training.
+
+    Args:
+      config: the layer (formats per group as in :func:`init_params`).
+      key: a JAX PRNG key.
+      plan: with a ``Mesh``, arrays are placed as :func:`shard_params` would place them (each
+        device makes only its own experts); else on the default device.
+    """
+    shapes = param_shapes(config)
+    formats = {"router": "float32", "experts": config.weight_format, "shared": config.shared_format}
+
+    def abstract(shape, fmt):
+        match fmt:
+            case "float32" | "bf16":
+                return jax.ShapeDtypeStruct(shape, jnp.float32 if fmt == "float32" else jnp.bfloat16)
+            case "nvfp4":
+                *lead, n, k = shape
+                return nvfp4.NVFP4Tensor(packed=jax.ShapeDtypeStruct((*lead, n, k // 2), jnp.uint8),
+                                         scales=jax.ShapeDtypeStruct((*lead, n, k // nvfp4.BLOCK), jnp.float8_e4m3fn),
+                                         global_scale=jax.ShapeDtypeStruct(tuple(lead), jnp.float32))
+            case _:
+                assert_never(fmt)
+
+    template = {group: {name: abstract(shape, formats[group]) for name, shape in leaves.items()}
+                for group, leaves in shapes.items()}
+    if plan is not None and isinstance(plan.mesh, Mesh):
+        placement = param_shardings(template, plan)
+    else:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        placement = jax.tree.map(lambda _: device, template)
+    params = {}
+    for i, (group, name, shape) in enumerate((g, n, s) for g, leaves in shapes.items() for n, s in leaves.items()):
+        where, sub = placement[group][name], jax.random.fold_in(key, i)
+        if group == "router":
+            scale = 0.01 if name == "bias_e" else config.hidden_size**-0.5
+            value = jax.jit(lambda k, shape=shape, scale=scale: scale * jax.random.normal(k, shape),
+                            out_shardings=where)(sub)
+        elif formats[group] == "nvfp4":
+            value = nvfp4.random(sub, shape, sharding=where)
+        else:
+            value = jax.jit(lambda k, shape=shape: (jax.random.normal(k, shape) / math.sqrt(shape[-1])).astype(
+                jnp.bfloat16), out_shardings=where)(sub)
+        params.setdefault(group, {})[name] = value
+    return params
+
+
+def quantize_params(params: Params, config: MoEConfig | None = None) -> Params:
+    """The same parameters with routed and shared projections quantized to NVFP4.
+
+    Without ``config``, every routed and shared projection; with it, only the groups whose
+    format is ``"nvfp4"`` (``config.weight_format`` for the routed experts,
+    ``config.shared_format`` for the shared expert), the others left as they are. A projection
+    that is already an :class:`~moe_jax.nvfp4.NVFP4Tensor` is kept, never re-quantized.
+    """
+    formats = {"experts": "nvfp4", "shared": "nvfp4"}
+    if config is not None:
+        formats = {"experts": config.weight_format, "shared": config.shared_format}
     out = {group: dict(leaves) for group, leaves in params.items()}
-    for group in ("experts", "shared"):
+    for group, weight_format in formats.items():
         for name, w in params.get(group, {}).items():
-            out[group][name] = nvfp4.quantize(w, name=f"params[{group!r}][{name!r}]")
+            match weight_format:
+                case "nvfp4":
+                    if not isinstance(w, nvfp4.NVFP4Tensor):
+                        out[group][name] = nvfp4.quantize(w, name=f"params[{group!r}][{name!r}]")
+                case "bf16":
+                    pass
+                case _ as unreachable:
+                    assert_never(unreachable)
     return out
 
 
 def check_params(params: Params, config: MoEConfig) -> None:
-    """Raises ValueError naming the first parameter whose presence, shape or dtype is wrong."""
+    """Raises ValueError naming the first parameter whose presence, shape or dtype is wrong.
+
+    Routed projections must be in ``config.weight_format``, shared ones in
+    ``config.shared_format``. One optional group is accepted besides :func:`param_shapes`'
+    layout: ``params["input_scales"]``, the activation scales of an NVFP4 checkpoint
+    (ModelOpt's ``input_scale``, one per projection), kept for W4A4 kernels and unused by the
+    layer today: ``"gate_e"``, ``"up_e"``, ``"down_e"`` float32 ``[E]`` (all three or none) and,
+    with shared experts, ``"shared_gate"``, ``"shared_up"``, ``"shared_down"`` float32 scalars
+    (all three or none).
+    """
     expected = param_shapes(config)
+    formats = {"router": None, "experts": config.weight_format, "shared": config.shared_format}
     for group, names in expected.items():
         if not isinstance(params.get(group), dict):
             raise ValueError(f"params[{group!r}]: missing, expected a dict with {sorted(names)}")
@@ -99,11 +187,11 @@ def check_params(params: Params, config: MoEConfig) -> None:
             if name not in params[group]:
                 raise ValueError(f"{where}: missing, expected shape {shape}")
             w = params[group][name]
-            quantized = group != "router" and config.weight_format == "nvfp4"
-            if quantized:
+            if formats[group] == "nvfp4":
                 if not isinstance(w, nvfp4.NVFP4Tensor):
                     found = f"a {w.dtype} array" if hasattr(w, "dtype") else type(w).__name__
-                    raise ValueError(f"{where}: {found}, expected an NVFP4Tensor (weight_format='nvfp4')")
+                    field = "weight_format" if group == "experts" else "shared_format"
+                    raise ValueError(f"{where}: {found}, expected an NVFP4Tensor ({field}='nvfp4')")
                 w.validate(where)
             elif isinstance(w, nvfp4.NVFP4Tensor) or not jnp.issubdtype(w.dtype, jnp.floating):
                 raise ValueError(f"{where}: {getattr(w, 'dtype', type(w).__name__)}, expected a float array")
@@ -111,6 +199,26 @@ def check_params(params: Params, config: MoEConfig) -> None:
                 raise ValueError(f"{where}: shape {tuple(w.shape)}, expected {shape}")
     if "shared" in params and "shared" not in expected:
         raise ValueError("params['shared']: present, but config.num_shared_experts = 0")
+    known = set(expected) | {"input_scales"}
+    if set(params) - known:
+        raise ValueError(f"params: unexpected groups {sorted(set(params) - known)}, expected {sorted(known)}")
+    if "input_scales" in params:
+        scales = params["input_scales"]
+        triples = {"experts": ({"gate_e", "up_e", "down_e"}, (config.num_experts,))}
+        if "shared" in expected:
+            triples["shared"] = ({"shared_gate", "shared_up", "shared_down"}, ())
+        allowed = set().union(*(names for names, _ in triples.values()))
+        if not isinstance(scales, dict) or set(scales) - allowed:
+            found = sorted(scales) if isinstance(scales, dict) else type(scales).__name__
+            raise ValueError(f"params['input_scales']: {found}, expected a dict with entries among {sorted(allowed)}")
+        for names, shape in triples.values():
+            if names & set(scales) and names - set(scales):
+                raise ValueError(f"params['input_scales']: {sorted(names - set(scales))} missing; {sorted(names)} come together")
+            for name in sorted(names & set(scales)):
+                w = scales[name]
+                if getattr(w, "dtype", None) != jnp.float32 or tuple(w.shape) != shape:
+                    found = f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}"
+                    raise ValueError(f"params['input_scales'][{name!r}]: {found}, expected float32 {shape}")
 
 
 def _dense_mlp(x_th, w_gate_up_gh, w_down_hs, dtype):
@@ -122,8 +230,11 @@ def _dense_mlp(x_th, w_gate_up_gh, w_down_hs, dtype):
 def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[str, ...]):
     """One device's share: route, exchange + experts, combine, shared expert, statistics.
 
-    ``valid_t`` marks real tokens; padding tokens route nowhere (expert id E) and are
-    excluded from the statistics.
+    ``x_th`` ``[T, H]``; ``valid_t`` bool ``[T]`` marks real tokens: padding tokens route
+    nowhere (expert id E). The statistics cover the valid tokens whose row of ``x_th`` and
+    router logits are all finite; the valid tokens with a non-finite value are counted in
+    ``nonfinite_tokens`` instead. Such a token is still routed and its own output may be
+    non-finite; no other token's output changes.
     """
     config = plan.config
     dtype = jnp.dtype(config.dtype)
@@ -149,23 +260,33 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     if "shared" in params:
         y_th = y_th + _dense_mlp(x_th.astype(dtype), params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], dtype)
 
-    sums = router.load_statistics(router.expert_scores(logits_te, config), ids_tk, valid_t, config.num_experts)
+    # One NaN token would make every sum, and so a training loss with the auxiliary loss in
+    # it, NaN. Logits are checked besides x: finite activations can still overflow them.
+    finite_t = jnp.all(jnp.isfinite(x_th), axis=1) & jnp.all(jnp.isfinite(logits_te), axis=1)
+    sums = router.load_statistics(router.expert_scores(logits_te, config), ids_tk, valid_t & finite_t,
+                                  config.num_experts)
+    nonfinite = jnp.sum(valid_t & ~finite_t).astype(jnp.int32)
     if axis_names:
-        sums, dropped = jax.lax.psum((sums, dropped), axis_names)
-    counts_e, prob_sum_e, num_valid = sums
+        sums, dropped, nonfinite = jax.lax.psum((sums, dropped, nonfinite), axis_names)
+    counts_e, prob_sum_e, num_counted = sums
     stats = {
         "tokens_per_expert": counts_e,
-        "load_balance_loss": router.load_balance_loss(counts_e, prob_sum_e, num_valid, config.top_k),
+        "load_balance_loss": router.load_balance_loss(counts_e, prob_sum_e, num_counted, config.top_k),
         "dropped": dropped.astype(jnp.int32),
+        "nonfinite_tokens": nonfinite,
     }
     return y_th.astype(dtype), stats
 
 
 def check_input(x, config: MoEConfig) -> None:
-    if not hasattr(x, "shape") or x.ndim < 2:
-        raise ValueError(f"x: shape {getattr(x, 'shape', type(x).__name__)}, expected [..., T, H] with H = {config.hidden_size}")
+    """Raises ValueError unless ``x`` is a floating array ``[..., H]`` (at least one dimension)."""
+    expected = f"H = config.hidden_size = {config.hidden_size}"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"x: {type(x).__name__}, expected an array [..., H] with {expected}")
+    if len(x.shape) == 0:
+        raise ValueError(f"x: shape (), expected [..., H] with {expected}")
     if x.shape[-1] != config.hidden_size:
-        raise ValueError(f"x: shape {x.shape}, expected last dimension H = config.hidden_size = {config.hidden_size}")
+        raise ValueError(f"x: shape {tuple(x.shape)}, expected last dimension {expected}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x: dtype {x.dtype}, expected a floating dtype (bfloat16 or float32)")
 
@@ -175,29 +296,40 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
 
     Args:
       params: see the module docstring; :func:`init_params` makes them.
-      x: ``[..., H]`` activations (any leading shape, flattened to tokens ``T``).
+      x: ``[..., H]`` activations, any leading shape (flattened to tokens ``T``): ``[H]`` is
+        one token, and ``T = 0`` gives an empty ``y``.
       plan: from :func:`moe_jax.resolve` (resolve once, before ``jit``; pass it as a static
         argument). A bare ``MoEConfig`` is resolved here for ``jax.devices()[0]``.
 
     Returns:
       ``(y, stats)``: ``y`` has ``x``'s shape in ``config.dtype``; ``stats`` holds
       ``tokens_per_expert`` int32 ``[E]`` (assignments per expert), ``load_balance_loss``
-      float32 (Switch-Transformer auxiliary loss, 1.0 when balanced) and ``dropped`` int32
-      (assignments dropped by a capacity; always 0 when dropless).
+      float32 (Switch-Transformer auxiliary loss, 1.0 when balanced, 0.0 for no tokens),
+      ``dropped`` int32 (assignments dropped by a capacity; always 0 when dropless) and
+      ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their router
+      logits: ``tokens_per_expert`` and ``load_balance_loss`` leave them out, so one bad
+      token cannot make the loss NaN; their own outputs may be non-finite). On a mesh the
+      statistics cover every device's tokens.
+
+    Raises:
+      ValueError: ``x`` or ``params`` of the wrong shape or dtype (naming which).
     """
     if isinstance(plan, MoEConfig):
         plan = resolve(plan)
     config = plan.config
     check_input(x, config)
     check_params(params, config)
-    lead = x.shape[:-1]
-    x_th = x.reshape(-1, config.hidden_size)
     mesh = plan.mesh
-    if not isinstance(mesh, Mesh) or mesh.size == 1:
-        y_th, stats = _local_forward(params, x_th, jnp.ones(x_th.shape[0], bool), plan, ())
-        return y_th.reshape(*lead, config.hidden_size), stats
-    y_th, stats = _sharded_forward(params, x_th, plan, mesh)
-    return y_th.reshape(*lead, config.hidden_size), stats
+    if isinstance(mesh, Mesh) and mesh.size > 1:
+        return _sharded_forward(params, x, plan, mesh)
+    x_th = x.reshape(-1, config.hidden_size)
+    num_tokens = x_th.shape[0]
+    # An empty batch runs as one padding token (routed nowhere, never counted), so that no
+    # kernel is compiled for zero rows.
+    padded = max(num_tokens, 1)
+    x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
+    y_th, stats = _local_forward(params, x_th, jnp.arange(padded) < num_tokens, plan, ())
+    return y_th[:num_tokens].reshape(x.shape), stats
 
 
 def param_logical_axes(params: Params) -> dict:
@@ -209,7 +341,11 @@ def param_logical_axes(params: Params) -> dict:
     """
     experts = {"w_gate_up_egh": (EXPERTS, None, HIDDEN), "w_down_ehf": (EXPERTS, HIDDEN, EXPERT_INTERMEDIATE)}
     shared = {"w_gate_up_gh": (None, HIDDEN), "w_down_hs": (HIDDEN, None)}
-    table = {"router": {"w_eh": (None, HIDDEN), "bias_e": (None,)}, "experts": experts, "shared": shared}
+    # The routed experts' activation scales travel with their experts; the shared ones are scalars.
+    input_scales = {"gate_e": (EXPERTS,), "up_e": (EXPERTS,), "down_e": (EXPERTS,),
+                    "shared_gate": (), "shared_up": (), "shared_down": ()}
+    table = {"router": {"w_eh": (None, HIDDEN), "bias_e": (None,)}, "experts": experts, "shared": shared,
+             "input_scales": input_scales}
     return {group: {name: table[group][name] for name in leaves} for group, leaves in params.items()}
 
 
@@ -247,15 +383,36 @@ def shard_params(params: Params, plan: Plan) -> Params:
     return shard_tree(params, param_logical_axes(params), _layer_rules(plan, mesh), mesh)
 
 
+def _explicit(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s shardings are part of the types (all axes Explicit) rather than left
+    to the compiler (all Auto); a mix is an error."""
+    types = set(mesh.axis_types)
+    if types == {AxisType.Auto}:
+        return False
+    if types == {AxisType.Explicit}:
+        return True
+    raise ValueError(f"plan.mesh: axis types {mesh.axis_types}, expected all Auto or all Explicit")
+
+
 def _to_specs(mesh: Mesh, tree, specs):
     """Reshards ``tree`` to ``specs`` where the mesh's sharding is explicit in types;
     ``shard_map`` reshards inputs itself over ``Auto`` axes."""
-    types = set(mesh.axis_types)
-    if types == {AxisType.Auto}:
+    if not _explicit(mesh):
         return tree
-    if types == {AxisType.Explicit}:
-        return jax.tree.map(lambda leaf, spec: jax.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
-    raise ValueError(f"plan.mesh: axis types {mesh.axis_types}, expected all Auto or all Explicit")
+    return jax.tree.map(lambda leaf, spec: jax.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
+
+
+def _reshape(a, shape: tuple[int, ...], mesh: Mesh, spec: P):
+    """``a.reshape(shape)``, typed ``spec`` on an Explicit mesh.
+
+    JAX infers a reshape's output sharding only when the sharded dimension stays whole or is
+    the first one merged or split (and divides); anything else, such as tokens split over 8
+    devices unflattened to ``(4, 16, H)``, is a ``ShardingTypeError`` unless the output
+    sharding is given.
+    """
+    if not _explicit(mesh):
+        return a.reshape(shape)
+    return jax.lax.reshape(a, shape, out_sharding=NamedSharding(mesh, spec))
 
 
 def _check_vma(plan: Plan) -> bool:
@@ -272,16 +429,28 @@ def _check_vma(plan: Plan) -> bool:
     return not (plan.expert_gemm == "pallas" and plan.config.interpret)
 
 
-def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
+def _sharded_forward(params: Params, x, plan: Plan, mesh: Mesh):
     """The layer under ``shard_map``: tokens split over every mesh axis (padded to a multiple
-    of the device count; padding tokens route nowhere), expert weights over the expert
-    axis (:func:`param_logical_axes`), everything else replicated; the exchange moves rows
-    between the devices of the expert axis."""
+    of the device count, at least one per device; padding tokens route nowhere), expert
+    weights over the expert axis (:func:`param_logical_axes`), everything else replicated;
+    the exchange moves rows between the devices of the expert axis.
+
+    ``x`` ``[..., H]`` may come with any sharding; ``y`` has its shape. On an Explicit mesh
+    ``y`` is split along its first dimension over the token axes when the device count
+    divides that dimension (tokens stay where the layer computed them), else replicated.
+    """
     config = plan.config
     axes = tuple(mesh.axis_names)
     rules = _layer_rules(plan, mesh)
+    h = config.hidden_size
+    # Flattening keeps a split of the first dimension (and of H); a split of any later
+    # leading dimension cannot survive it, so those tokens are gathered first.
+    x_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    first = x_spec[0] if x.ndim > 1 and not any(x_spec[1:x.ndim - 1]) else None
+    x_th = _reshape(x, (math.prod(x.shape[:-1]), h), mesh, P(first, x_spec[x.ndim - 1]))
     num_tokens = x_th.shape[0]
-    padded = -(-num_tokens // mesh.size) * mesh.size
+    # An empty batch runs as one padding token per device, so that no exchange buffer is empty.
+    padded = max(1, -(-num_tokens // mesh.size)) * mesh.size
     valid_t = jnp.arange(padded) < num_tokens
     x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
     token_spec = logical_to_spec((TOKENS,), (padded,), rules, mesh, name="x")
@@ -295,19 +464,50 @@ def _sharded_forward(params: Params, x_th, plan: Plan, mesh: Mesh):
         out_specs=(token_spec, P()),
         check_vma=_check_vma(plan),
     )(params, x_th, valid_t)
-    if padded == num_tokens:
-        return y_th, stats
-    # Under explicit sharding an uneven token count cannot stay split: replicate, then trim.
-    return _to_specs(mesh, y_th, P())[:num_tokens], stats
+    split = padded == num_tokens and x.ndim > 1 and x.shape[0] % mesh.size == 0
+    if padded != num_tokens:
+        # Under explicit sharding an uneven token count cannot stay split: replicate, then trim.
+        y_th = _to_specs(mesh, y_th, P())[:num_tokens]
+    y_spec = P(token_spec[0] if split else None, *(None,) * (x.ndim - 1))
+    return _reshape(y_th, x.shape, mesh, y_spec), stats
 
 
 def reference_forward(params: Params, x: np.ndarray, config: MoEConfig) -> np.ndarray:
-    """The layer in float64 numpy, expert by expert: the oracle for tests and the demo.
+    """The layer in float64 numpy, expert by expert: the oracle for tests, the demo and examples.
 
-    Uses the exact (float64) dequantization of NVFP4 weights and rounds nothing else.
+    NVFP4 weights are dequantized exactly (float64); nothing else is rounded. Only the experts
+    the tokens of ``x`` route to are read, one at a time, so a sample of tokens can be checked
+    against a full-size layer whose parameters live on devices (Kimi K2's experts would be
+    45 GB in float64). Routing is per token, so a sample routes as it does in the whole batch.
+
+    Args:
+      params: :func:`init_params`' layout; host or device arrays.
+      x: ``[..., H]`` tokens.
+      config: the layer.
+
+    Returns:
+      float64 ``y`` of ``x``'s shape.
     """
     def dense(w):
-        return np.asarray(nvfp4.dequantize(w) if isinstance(w, nvfp4.NVFP4Tensor) else w, np.float64)
+        if isinstance(w, nvfp4.NVFP4Tensor):
+            return gmm_reference.dequantize(w.packed[None], w.scales[None], w.global_scale[None])[0]
+        return np.asarray(w).astype(np.float64)
+
+    def entry(a, e: int) -> np.ndarray:
+        """``a[e]`` on the host, copied from the device shard that holds it (only that expert)."""
+        if not isinstance(a, jax.Array):
+            return np.asarray(a[e])
+        for shard in a.addressable_shards:
+            rows = range(a.shape[0])[shard.index[0]]
+            if e in rows:
+                return np.asarray(shard.data[e - rows.start])
+        raise ValueError(f"params: expert {e} is on no device of this process")
+
+    def expert(w, e: int):
+        if isinstance(w, nvfp4.NVFP4Tensor):
+            return nvfp4.NVFP4Tensor(packed=entry(w.packed, e), scales=entry(w.scales, e),
+                                     global_scale=entry(w.global_scale, e))
+        return entry(w, e)
 
     def silu(v):
         return v / (1 + np.exp(-v))
@@ -320,13 +520,13 @@ def reference_forward(params: Params, x: np.ndarray, config: MoEConfig) -> np.nd
         correction_bias_e=None if bias is None else jnp.asarray(bias),
     )
     ids_tk, weights_tk = np.asarray(ids_tk), np.asarray(weights_tk, np.float64)
-    w_gu, w_dn = dense(params["experts"]["w_gate_up_egh"]), dense(params["experts"]["w_down_ehf"])
-    f = config.expert_intermediate_size
+    experts, f = params["experts"], config.expert_intermediate_size
     y_th = np.zeros_like(x_th)
-    for e in range(config.num_experts):
+    for e in np.unique(ids_tk).tolist():
         t, slot = np.nonzero(ids_tk == e)
-        h = x_th[t] @ w_gu[e].T
-        np.add.at(y_th, t, weights_tk[t, slot, None] * ((silu(h[:, :f]) * h[:, f:]) @ w_dn[e].T))
+        h = x_th[t] @ dense(expert(experts["w_gate_up_egh"], e)).T
+        a = silu(h[:, :f]) * h[:, f:]
+        np.add.at(y_th, t, weights_tk[t, slot, None] * (a @ dense(expert(experts["w_down_ehf"], e)).T))
     if "shared" in params:
         s = config.shared_size
         h_ts = x_th @ dense(params["shared"]["w_gate_up_gh"]).T

@@ -78,17 +78,30 @@ def _keep_best_groups(choice_te: jax.Array, num_groups: int, topk_groups: int) -
     return jnp.where(keep_tg[:, :, None], choice_tgx, -jnp.inf).reshape(t, e)
 
 
-def load_statistics(scores_te: jax.Array, ids_tk: jax.Array, valid_t: jax.Array, num_experts: int):
+def load_statistics(scores_te: jax.Array, ids_tk: jax.Array, counted_t: jax.Array, num_experts: int):
     """Sums that the load-balance loss needs; additive over tokens, so they can be psum'd.
 
-    Returns ``(counts_e int32 [E], prob_sum_e float32 [E], num_tokens int32 [])``: assignments
-    per expert, per-token-normalized scores summed over the valid tokens, and how many tokens
-    were valid. Ids equal to ``num_experts`` (routed nowhere) are not counted.
+    Args:
+      scores_te: float32 ``[T, E]`` expert scores (:func:`expert_scores`).
+      ids_tk: int32 ``[T, k]`` chosen experts; ``num_experts`` means routed nowhere.
+      counted_t: bool ``[T]``, the tokens the statistics cover. Callers leave out padding
+        and non-finite tokens: one NaN score would otherwise make every sum NaN.
+      num_experts: E.
+
+    Returns:
+      ``(counts_e int32 [E], prob_sum_e float32 [E], num_tokens int32 [])``: assignments per
+      expert, per-token-normalized scores summed, and the number of tokens, each over the
+      counted tokens only.
     """
-    counts_e = jnp.bincount(ids_tk.reshape(-1), length=num_experts).astype(jnp.int32)
-    probs_te = scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
-    prob_sum_e = jnp.sum(jnp.where(valid_t[:, None], probs_te, 0.0), axis=0)
-    return counts_e, prob_sum_e, jnp.sum(valid_t).astype(jnp.int32)
+    counts_e = jnp.bincount(jnp.where(counted_t[:, None], ids_tk, num_experts).reshape(-1),
+                            length=num_experts).astype(jnp.int32)
+    # Sigmoid scores of a token whose logits all sit below about -104 underflow to zero: its
+    # normalized scores are then zero rather than 0 / 0.
+    total_t1 = jnp.sum(scores_te, axis=-1, keepdims=True)
+    probs_te = scores_te / jnp.maximum(total_t1, jnp.finfo(jnp.float32).tiny)
+    # A select, not a product: NaN scores of tokens left out must not reach the sums.
+    prob_sum_e = jnp.sum(jnp.where(counted_t[:, None], probs_te, 0.0), axis=0)
+    return counts_e, prob_sum_e, jnp.sum(counted_t).astype(jnp.int32)
 
 
 def load_balance_loss(counts_e: jax.Array, prob_sum_e: jax.Array, num_tokens: jax.Array, top_k: int) -> jax.Array:
@@ -96,7 +109,9 @@ def load_balance_loss(counts_e: jax.Array, prob_sum_e: jax.Array, num_tokens: ja
 
     ``f_e = counts_e / (T * k)`` is the fraction of assignments that went to expert e and
     ``p_e = prob_sum_e / T`` its mean normalized score, from :func:`load_statistics`.
+    0.0 when no token was counted (an empty batch): every sum is then zero.
     """
+    # Divide by at least one token so an empty batch gives 0.0, not 0 / 0.
     num_tokens = jnp.maximum(num_tokens, 1)
     f_e = counts_e / (num_tokens * top_k)
     return counts_e.shape[0] * jnp.sum(f_e * prob_sum_e / num_tokens)

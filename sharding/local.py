@@ -63,7 +63,8 @@ def combine(y_ch: jax.Array, order_m: jax.Array, weights_tk: jax.Array) -> jax.A
     t, k = weights_tk.shape
     kept = y_ch.shape[0]
     position_m = jnp.argsort(order_m).astype(jnp.int32)  # sorted position of each assignment
-    y_tkh = y_ch[jnp.minimum(position_m, kept - 1)].reshape(t, k, -1).astype(jnp.float32)
+    # The hidden size spelled out: ``-1`` cannot be inferred from an empty array (T = 0).
+    y_tkh = y_ch[jnp.minimum(position_m, kept - 1)].reshape(t, k, y_ch.shape[-1]).astype(jnp.float32)
     if kept < order_m.shape[0]:
         y_tkh = jnp.where((position_m < kept).reshape(t, k, 1), y_tkh, 0.0)
     return jnp.einsum("tk,tkh->th", weights_tk.astype(jnp.float32), y_tkh)

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from moe_jax import cli
 
 
@@ -34,3 +36,47 @@ def test_demo_runs_and_checks_itself():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "relative error vs float64 reference of the same NVFP4 weights" in out.stdout
     assert "tokens/s" in out.stdout
+    # No terminal, so no progress bars: what a log or a pipe gets is the results alone.
+    assert "it/s" not in out.stderr and "%|" not in out.stderr and "\r" not in out.stdout
+
+
+def test_demo_without_flags_runs_with_its_defaults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "demo", lambda args: seen.append(args) or 0)
+    assert cli.main(["demo"]) == 0
+    assert (seen[0].tokens, seen[0].iters, seen[0].max_error) == (512, 5, 2e-2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--tokens", "0"], "argument --tokens: 0, expected an int >= 1"),
+    (["demo", "--tokens", "-8"], "argument --tokens: -8, expected an int >= 1"),
+    (["demo", "--tokens", "many"], "argument --tokens: 'many', expected an int >= 1"),
+    (["demo", "--iters", "0"], "argument --iters: 0, expected an int >= 1"),
+    (["demo", "--max-error", "-1"], "argument --max-error: -1.0, expected a finite float > 0"),
+    (["explain", "--ep", "0"], "argument --ep: 0, expected an int >= 1"),
+    (["explain", "--ep", "-4"], "argument --ep: -4, expected an int >= 1"),
+    (["explain", "--tokens-per-device", "-5"], "argument --tokens-per-device: -5, expected an int >= 1"),
+    # The experts first: no number of devices would make 7 work for 384 experts.
+    (["explain", "--ep", "7"],
+     "argument --ep: 7 does not divide the 384 experts of preset 'kimi_k2'; expected one of [1, 2, 3"),
+    (["explain", "--ep", "7", "--device-kind", "NVIDIA H200"], "argument --ep: 7 does not divide the 384 experts"),
+    (["explain", "--preset", "deepseek_v3", "--ep", "5"],
+     "argument --ep: 5 does not divide the 256 experts of preset 'deepseek_v3'"),
+    # conftest gives this process 8 CPU devices.
+    (["explain", "--ep", "16"],
+     "argument --ep: 16, but this machine has 8 cpu device(s); expected at most 8, or --device-kind"),
+])
+def test_bad_flags_are_one_line_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"moe-jax {argv[0]}: error: {message}"), lines[0]
+
+
+def test_ep_that_divides_and_fits_resolves(capsys):
+    assert cli.main(["explain", "--ep", "8"]) == 0
+    assert "8 x cpu" in capsys.readouterr().out

@@ -101,8 +101,8 @@ def test_bad_input_raises_naming_the_argument(rng):
     config = CONFIGS["kimi"]
     params, x = make(config, rng)
     plan = resolve(config)
-    with pytest.raises(ValueError, match=r"x: shape \(64,\), expected \[\.\.\., T, H\]"):
-        moe_forward(params, x[0], plan)
+    with pytest.raises(ValueError, match=r"x: shape \(\), expected \[\.\.\., H\]"):
+        moe_forward(params, x[0, 0], plan)
     with pytest.raises(ValueError, match=r"x: shape \(24, 63\), expected last dimension H = config.hidden_size = 64"):
         moe_forward(params, x[:, :63], plan)
     with pytest.raises(ValueError, match=r"x: dtype int32, expected a floating dtype"):
@@ -159,7 +159,7 @@ def test_nnx_module_jit_and_grad(rng):
     y, stats = nnx.jit(lambda m, x: m(x))(layer, x)
     y_fn, _ = moe_forward(layer.params(), x, layer.plan)
     np.testing.assert_array_equal(y, y_fn)
-    assert set(stats) == {"tokens_per_expert", "load_balance_loss", "dropped"}
+    assert set(stats) == {"tokens_per_expert", "load_balance_loss", "dropped", "nonfinite_tokens"}
 
     def loss(m, x):
         y, stats = m(x)

@@ -150,3 +150,24 @@ def test_load_balance_loss_is_one_when_balanced_and_k_when_collapsed():
     # Padding tokens (id E, invalid) are not counted.
     sums = router.load_statistics(jnp.ones((2, 8)), jnp.asarray([[0], [8]]), jnp.asarray([True, False]), 8)
     assert int(sums[0].sum()) == 1 and int(sums[2]) == 1
+
+
+def test_tokens_left_out_of_the_statistics_cannot_poison_them():
+    # Token 1's scores are NaN (a NaN activation): left out, it changes no sum.
+    scores = jnp.asarray([[0.5, 0.5, 0.0], [np.nan] * 3, [0.25, 0.25, 0.5]])
+    ids = jnp.asarray([[0], [1], [2]])
+    counts, prob_sum, num = router.load_statistics(scores, ids, jnp.asarray([True, False, True]), 3)
+    np.testing.assert_array_equal(counts, [1, 0, 1])
+    np.testing.assert_allclose(prob_sum, [0.75, 0.75, 0.5])
+    assert int(num) == 2
+    assert np.isfinite(float(router.load_balance_loss(counts, prob_sum, num, top_k=1)))
+
+
+def test_underflowed_sigmoid_scores_and_no_tokens_give_finite_statistics():
+    cfg = MoEConfig.kimi_k2(num_experts=4, top_k=1)
+    scores = router.expert_scores(jnp.full((2, 4), -200.0), cfg)  # sigmoid underflows to 0
+    assert float(jnp.max(scores)) == 0.0
+    sums = router.load_statistics(scores, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, bool), 4)
+    assert np.isfinite(np.asarray(sums[1])).all()
+    empty = router.load_statistics(jnp.zeros((0, 4)), jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, bool), 4)
+    assert int(empty[2]) == 0 and float(router.load_balance_loss(*empty, top_k=1)) == 0.0

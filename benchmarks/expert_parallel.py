@@ -246,43 +246,6 @@ def exchange_benchmarks(ep: int, tokens: int, shape: dict, iters: int, smoke: bo
     return out
 
 
-def template_params(shapes: dict) -> dict:
-    """``ShapeDtypeStruct`` parameters: float32 router, NVFP4 projections."""
-    import jax
-    import jax.numpy as jnp
-
-    from moe_jax.nvfp4 import NVFP4Tensor
-
-    def nvfp4(shape):
-        *lead, n, k = shape
-        return NVFP4Tensor(packed=jax.ShapeDtypeStruct((*lead, n, k // 2), jnp.uint8),
-                           scales=jax.ShapeDtypeStruct((*lead, n, k // 16), jnp.float8_e4m3fn),
-                           global_scale=jax.ShapeDtypeStruct(tuple(lead), jnp.float32))
-
-    return {group: {name: jax.ShapeDtypeStruct(shape, jnp.float32) if group == "router" else nvfp4(shape)
-                    for name, shape in leaves.items()} for group, leaves in shapes.items()}
-
-
-def random_nvfp4(key, shape, shardings):
-    """A random NVFP4 tensor ``[..., N, K]`` (uniform codes, scales ~1) made where it will live."""
-    import jax
-    import jax.numpy as jnp
-
-    from moe_jax.nvfp4 import NVFP4Tensor
-
-    *lead, n, k = shape
-
-    def make(key):
-        k1, k2 = jax.random.split(key)
-        return NVFP4Tensor(
-            packed=jax.random.bits(k1, (*lead, n, k // 2), jnp.uint8),
-            scales=jax.random.uniform(k2, (*lead, n, k // 16), minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn),
-            global_scale=jnp.full(tuple(lead), 0.3 / (6 * math.sqrt(k)), jnp.float32),
-        )
-
-    return jax.jit(make, out_shardings=shardings)(key)
-
-
 def layer_benchmarks(eps: list[int], tokens_list: list[int], config, iters: int, out: list[dict], save) -> None:
     """Tokens/s of the whole layer at each expert-parallel size and global token count,
     appended to ``out`` (and saved) as they come."""
@@ -292,30 +255,14 @@ def layer_benchmarks(eps: list[int], tokens_list: list[int], config, iters: int,
     from jax.sharding import PartitionSpec as P
 
     import sharding
-    from moe_jax import moe_forward, resolve
-    from moe_jax.layer import param_shardings, param_shapes
+    from moe_jax import moe_forward, random_params, resolve
 
     for ep in eps:
         devices = jax.devices()[:ep]
         mesh = sharding.make_mesh(ep, devices=devices) if ep > 1 else None
         target = mesh if mesh is not None else devices
-        shapes = param_shapes(config)
         key = jax.random.key(ep)
-        template = template_params(shapes)
-        if mesh is not None:
-            shardings = param_shardings(template, resolve(config, mesh))
-        else:
-            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(devices[0]), template)
-        params = {"router": {}, "experts": {}, "shared": {}}
-        for i, (group, name, shape) in enumerate((g, n, s) for g, leaves in shapes.items() for n, s in leaves.items()):
-            where, sub = shardings[group][name], jax.random.fold_in(key, i)
-            match group:
-                case "router":
-                    scale = 0.01 if name == "bias_e" else 1 / math.sqrt(config.hidden_size)
-                    params[group][name] = jax.jit(lambda k, shape=shape, scale=scale: scale * jax.random.normal(k, shape),
-                                                  out_shardings=where)(sub)
-                case "experts" | "shared":
-                    params[group][name] = random_nvfp4(sub, shape, where)
+        params = random_params(config, key, resolve(config, target))
         expert_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params["experts"]))
         for tokens in tokens_list:
             entry = {"ep": ep, "tokens": tokens, "expert_weight_bytes_per_device": expert_bytes}

@@ -16,8 +16,13 @@ writes the library's parameters back in the same format. Tensors of layer ``L``:
     model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.*   the shared expert, either format.
 
 Gate and up are fused into the library's ``w_gate_up_egh`` ``[E, 2F, H]`` (gate rows first;
-NVFP4 codes and block scales concatenated along N, one global scale per expert), down is
-``w_down_ehf`` ``[E, H, F]``. The returned config's ``weight_format`` and
+NVFP4 codes and block scales concatenated along N, untouched), down is ``w_down_ehf``
+``[E, H, F]``. ModelOpt usually gives an expert's gate and up the same ``weight_scale_2``, but
+not always; the fused tensor's ``global_scale`` is ``[E]`` (that shared value) when gate and up
+agree bit for bit in every expert of the layer, else ``[E, 2]`` (gate's, then up's, as stored)
+for every expert of the layer, which the kernels and the references apply each to its own half:
+exact either way (see :class:`moe_jax.nvfp4.NVFP4Tensor`). The shared expert likewise: ``[]``
+or ``[2]``. The returned config's ``weight_format`` and
 ``shared_weight_format`` say what the checkpoint stores: nothing is converted. The
 ``input_scale`` values are kept as the optional group ``params["input_scales"]``
 (``gate_e``/``up_e``/``down_e`` float32 ``[E]``, ``shared_gate``/``shared_up``/``shared_down``
@@ -32,12 +37,6 @@ them.
 
 Scope limits:
 
-* **Differing gate/up global scales raise.** ModelOpt usually gives an expert's gate and up the
-  same ``weight_scale_2``, but not always. The fused tensor holds one global scale per expert,
-  and re-expressing one half's E4M3 block scales against the other half's global scale re-rounds
-  them (inexact), so such a checkpoint raises a ValueError naming the expert and both values.
-  Loading it exactly needs per-half global scales in ``NVFP4Tensor``, the kernels and the
-  reference: not supported yet.
 * **No re-quantization, ever.** What the checkpoint holds is loaded bit for bit (ModelOpt on a
   GPU can compute a global scale one ulp away from the host's recipe, so re-quantizing would
   change weights); :func:`save_moe_layer` writes the same bits back.
@@ -450,15 +449,19 @@ def _scalar(ckpt: Checkpoint, name: str) -> np.float32:
     return np.float32(ckpt.read(name).reshape(()))
 
 
-def _same_gate_up_scale(ckpt: Checkpoint, gate: _Projection, up: _Projection, what: str) -> np.float32:
-    g, u = _scalar(ckpt, gate.tensor("weight_scale_2")), _scalar(ckpt, up.tensor("weight_scale_2"))
-    # Bitwise: a one-ulp difference would still change the dequantized weights.
-    if g.view(np.uint32) != u.view(np.uint32):
-        raise CheckpointError(
-            f"{what}: gate_proj.weight_scale_2 = {float(g)!r} and up_proj.weight_scale_2 = {float(u)!r} differ; "
-            "exact loading of differing gate/up scales needs per-half global scales, not supported yet"
-        )
-    return g
+def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[_Projection, _Projection]]) -> np.ndarray:
+    """The global scales of fused gate/up projections, one ``(gate, up)`` pair per expert.
+
+    float32 ``[P]`` (the shared value) when every pair's gate and up ``weight_scale_2`` are equal
+    bit for bit (a one-ulp difference would still change the dequantized weights), else
+    ``[P, 2]`` (gate's, up's) for every pair: one array holds all experts, so one expert whose
+    halves differ gives the whole layer per-half scales.
+    """
+    scales_p2 = np.array([[_scalar(ckpt, gate.tensor("weight_scale_2")), _scalar(ckpt, up.tensor("weight_scale_2"))]
+                          for gate, up in pairs], np.float32).reshape(len(pairs), 2)
+    if (scales_p2[:, 0].view(np.uint32) == scales_p2[:, 1].view(np.uint32)).all():
+        return scales_p2[:, 0]
+    return scales_p2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -500,7 +503,8 @@ def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]
     """The leaves of one library weight: an NVFP4Tensor of leaves, or one bf16 leaf.
 
     ``projs_of(e)``: the checkpoint projections fused along N for expert ``e``; ``count``:
-    experts stacked (None: the shared expert, unstacked).
+    experts stacked (None: the shared expert, unstacked); ``global_scales``: the NVFP4 global
+    scale as the tensor holds it (``[E]`` or ``[E, 2]``; ``[]`` or ``[2]`` unstacked).
     """
     projs = projs_of(0)
     n, k = sum(p.n for p in projs), projs[0].k
@@ -517,7 +521,7 @@ def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]
             return nvfp4.NVFP4Tensor(
                 packed=leaf("weight", (n, k // 2), np.uint8),
                 scales=leaf("weight_scale", (n, k // nvfp4.BLOCK), ml_dtypes.float8_e4m3fn),
-                global_scale=_small(global_scales.reshape(lead)),
+                global_scale=_small(global_scales),
             )
         case "bf16":
             return leaf("weight", (n, k), ml_dtypes.bfloat16)
@@ -560,12 +564,11 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     experts_format = _group_format(settings, routed, f"the routed experts of layer {layer}")
     experts_inputs = _check_group(ckpt, settings, routed, experts_format)
     groups = [(routed, experts_format, experts_inputs)]  # (projections, format, has input scales)
-    global_gu = np.zeros(e_count, np.float32)
-    global_dn = np.zeros(e_count, np.float32)
+    global_gu = global_dn = np.zeros(e_count, np.float32)
     if experts_format == "nvfp4":
-        for e in range(e_count):
-            global_gu[e] = _same_gate_up_scale(ckpt, expert(e)["gate"], expert(e)["up"], f"{mlp}.experts.{e}")
-            global_dn[e] = _scalar(ckpt, expert(e)["down"].tensor("weight_scale_2"))
+        global_gu = _gate_up_scales(ckpt, [(expert(e)["gate"], expert(e)["up"]) for e in range(e_count)])
+        global_dn = np.array([_scalar(ckpt, expert(e)["down"].tensor("weight_scale_2")) for e in range(e_count)],
+                             np.float32)
     leaves["experts"] = {
         "w_gate_up_egh": _weight_leaves(ckpt, lambda e: [expert(e)["gate"], expert(e)["up"]], e_count,
                                         experts_format, global_gu),
@@ -585,12 +588,12 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
         groups.append((list(shared.values()), shared_format, shared_inputs))
         global_gu = global_dn = np.zeros((), np.float32)
         if shared_format == "nvfp4":
-            global_gu = _same_gate_up_scale(ckpt, shared["gate"], shared["up"], f"{mlp}.shared_experts")
-            global_dn = _scalar(ckpt, shared["down"].tensor("weight_scale_2"))
+            global_gu = _gate_up_scales(ckpt, [(shared["gate"], shared["up"])])[0]
+            global_dn = np.asarray(_scalar(ckpt, shared["down"].tensor("weight_scale_2")))
         leaves["shared"] = {
             "w_gate_up_gh": _weight_leaves(ckpt, lambda e: [shared["gate"], shared["up"]], None, shared_format,
-                                           np.asarray(global_gu)),
-            "w_down_hs": _weight_leaves(ckpt, lambda e: [shared["down"]], None, shared_format, np.asarray(global_dn)),
+                                           global_gu),
+            "w_down_hs": _weight_leaves(ckpt, lambda e: [shared["down"]], None, shared_format, global_dn),
         }
         if shared_inputs:
             for p in PROJECTIONS:
@@ -700,8 +703,8 @@ def load_moe_layer(
     Raises:
       CheckpointError: (a ValueError) one line naming the tensor or file: a missing tensor or
         file, a wrong shape or dtype, an expert count that disagrees with the config, a
-        dense or out-of-range layer, formats that disagree with the quantization settings,
-        differing gate/up ``weight_scale_2`` (see the module docstring), a leftover tensor.
+        dense or out-of-range layer, formats that disagree with the quantization settings, a
+        leftover tensor.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -751,8 +754,10 @@ def _layer_tensors(layer: int, params: Params, config: MoEConfig) -> dict[str, n
         """[.., 2F, ..] fused gate/up -> (gate, up) along N, each with its global scale."""
         if isinstance(w, nvfp4.NVFP4Tensor):
             packed, scales, g = np.asarray(w.packed), np.asarray(w.scales), np.asarray(w.global_scale)
-            return (dict(weight=packed[..., :f, :], weight_scale=scales[..., :f, :], weight_scale_2=g),
-                    dict(weight=packed[..., f:, :], weight_scale=scales[..., f:, :], weight_scale_2=g))
+            # check_params allows one global scale per matrix or [..., 2]: gate's, then up's.
+            g_gate, g_up = (g, g) if w.row_groups == 1 else (g[..., 0], g[..., 1])
+            return (dict(weight=packed[..., :f, :], weight_scale=scales[..., :f, :], weight_scale_2=g_gate),
+                    dict(weight=packed[..., f:, :], weight_scale=scales[..., f:, :], weight_scale_2=g_up))
         w = np.asarray(w)
         return dict(weight=w[..., :f, :]), dict(weight=w[..., f:, :])
 

@@ -10,7 +10,10 @@ Parameters (a nested dict, a pytree)::
      "shared":  {"w_gate_up_gh": [2S, H], "w_down_hs": [H, S]}  (only with shared experts)}
 
 Projection weights are (out, in) as checkpoints store them, gate rows before up rows, each a
-bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` per ``config.weight_format``.
+bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` per ``config.weight_format``. An NVFP4
+gate/up weight has one global scale per matrix (``[E]``; ``[]`` shared) or one per half
+(``[E, 2]``; ``[2]`` shared: gate's, then up's, as ModelOpt may give them); down weights have
+one per matrix.
 """
 
 from __future__ import annotations
@@ -197,6 +200,14 @@ def check_params(params: Params, config: MoEConfig) -> None:
                 raise ValueError(f"{where}: {getattr(w, 'dtype', type(w).__name__)}, expected a float array")
             if tuple(w.shape) != shape:
                 raise ValueError(f"{where}: shape {tuple(w.shape)}, expected {shape}")
+            if isinstance(w, nvfp4.NVFP4Tensor):
+                # Gate and up may keep their own global scales (every expert path applies them
+                # per half); a down projection is one matrix.
+                lead = shape[:-2]
+                allowed = [lead, (*lead, 2)] if name.startswith("w_gate_up") else [lead]
+                if tuple(w.global_scale.shape) not in allowed:
+                    raise ValueError(f"{where}.global_scale: shape {tuple(w.global_scale.shape)}, expected "
+                                     f"{' or '.join(map(str, allowed))}")
     if "shared" in params and "shared" not in expected:
         raise ValueError("params['shared']: present, but config.num_shared_experts = 0")
     known = set(expected) | {"input_scales"}

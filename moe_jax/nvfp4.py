@@ -4,9 +4,14 @@ An NVFP4 matrix ``W [N, K]`` (out, in) is stored as
 
 * ``packed``       uint8          ``[..., N, K/2]``  two E2M1 codes a byte, element ``2i`` in the low nibble;
 * ``scales``       float8_e4m3fn  ``[..., N, K/16]`` one scale per 16 consecutive elements along K;
-* ``global_scale`` float32        ``[...]``          one per matrix (ModelOpt's ``weight_scale_2``);
+* ``global_scale`` float32        ``[...]``          one per matrix (ModelOpt's ``weight_scale_2``),
+                                  or ``[..., G]``    one per row group: ``G`` equal consecutive groups of rows;
 
-and ``W ~= e2m1(code) * fp32(scale) * global_scale``. Leading axes (experts) batch.
+and ``W ~= e2m1(code) * fp32(scale) * global_scale`` (a row's group's global scale when grouped).
+Leading axes (experts) batch; the rank of ``global_scale`` tells the two layouts apart. Grouped
+scales hold matrices fused along N exactly: gate and up of an expert as ``[2F, K]`` with
+``G = 2`` (rows ``0..F-1`` gate, ``F..2F-1`` up), where ModelOpt gave each its own
+``weight_scale_2`` (:func:`concat_rows`).
 
 The quantizer follows the recipe of ModelOpt 0.47.0's ``NVFP4QTensor.quantize`` to the bit,
 including its corner cases: a block whose amax is zero gets the scale 1.0, and every other
@@ -48,7 +53,8 @@ class NVFP4Tensor:
     Attributes:
       packed: uint8 ``[..., N, K/2]``; element ``2i`` of a row in the low nibble of byte ``i``.
       scales: float8_e4m3fn ``[..., N, K/16]``.
-      global_scale: float32 ``[...]``, one per matrix.
+      global_scale: float32 ``[...]``, one per matrix, or ``[..., G]``, one per group of
+        ``N/G`` consecutive rows (see the module docstring).
     """
 
     packed: jax.Array
@@ -64,6 +70,13 @@ class NVFP4Tensor:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def row_groups(self) -> int:
+        """G, the global scales per matrix: 1 for ``global_scale [...]``, else its last dimension."""
+        if self.global_scale.ndim == self.packed.ndim - 2:
+            return 1
+        return self.global_scale.shape[-1]
 
     @property
     def nbytes(self) -> int:
@@ -84,9 +97,13 @@ class NVFP4Tensor:
                 f"{name}.scales: shape {self.scales.shape} for packed {self.packed.shape}, "
                 f"expected {(*lead, n, k // BLOCK)} with K={k} a multiple of {BLOCK}"
             )
-        if self.global_scale.shape != tuple(lead):
+        per_matrix = self.global_scale.shape == tuple(lead)
+        grouped = (self.global_scale.ndim == len(lead) + 1 and self.global_scale.shape[:-1] == tuple(lead)
+                   and self.global_scale.shape[-1] >= 1 and n % self.global_scale.shape[-1] == 0)
+        if not (per_matrix or grouped):
             raise ValueError(
-                f"{name}.global_scale: shape {self.global_scale.shape}, expected {tuple(lead)} (one per matrix)"
+                f"{name}.global_scale: shape {self.global_scale.shape}, expected {tuple(lead)} (one per matrix) "
+                f"or {(*lead, 'G')} with G dividing N={n} (one per group of N/G rows)"
             )
         return self
 
@@ -205,12 +222,52 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
 
 
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
-    """NVFP4 ``[..., N, K]`` to ``dtype``: ``e2m1(code) * (fp32(scale) * global_scale)``."""
+    """NVFP4 ``[..., N, K]`` to ``dtype``: ``e2m1(code) * (fp32(scale) * global_scale)``, each row
+    with its group's global scale when ``global_scale`` is ``[..., G]``."""
     values = e2m1_decode(unpack_codes(t.packed))
     *lead, n, k = values.shape
-    block_scale = t.scales.astype(jnp.float32) * t.global_scale[..., None, None]
-    w = values.reshape(*lead, n, k // BLOCK, BLOCK) * block_scale[..., None]
+    g = t.row_groups
+    global_scale = t.global_scale.reshape(*lead, g, 1, 1)
+    block_scale = t.scales.astype(jnp.float32).reshape(*lead, g, n // g, k // BLOCK) * global_scale
+    w = values.reshape(*lead, n, k // BLOCK, BLOCK) * block_scale.reshape(*lead, n, k // BLOCK, 1)
     return w.reshape(*lead, n, k).astype(dtype)
+
+
+def concat_rows(*tensors: NVFP4Tensor, name: str = "tensors") -> NVFP4Tensor:
+    """Matrices ``[..., N_i, K]`` stacked along N into one ``[..., sum N_i, K]`` with grouped
+    global scales ``[..., sum G_i]``, each part's own, exactly as given.
+
+    Codes and block scales are concatenated untouched, so dequantizing the result equals
+    concatenating the parts' dequantizations bit for bit (no block scale is re-expressed
+    against another part's global scale, which would re-round it). Gate and up of an expert:
+    ``concat_rows(gate, up)`` gives ``[..., 2F, K]`` with ``global_scale [..., 2]``.
+
+    Args:
+      tensors: at least one, with equal leading shapes and K; every row group of every part
+        (a per-matrix part is one group) must have the same number of rows.
+      name: for error messages.
+
+    Raises:
+      ValueError: naming ``name``, for no parts, or parts whose leading shapes, K or group sizes
+        disagree.
+    """
+    if not tensors:
+        raise ValueError(f"{name}: no tensors, expected at least one NVFP4Tensor")
+    for i, t in enumerate(tensors):
+        t.validate(f"{name}[{i}]")
+    *lead, _, k = tensors[0].shape
+    group_rows = tensors[0].shape[-2] // tensors[0].row_groups
+    for i, t in enumerate(tensors):
+        if (*t.shape[:-2], t.shape[-1]) != (*lead, k) or t.shape[-2] // t.row_groups != group_rows:
+            raise ValueError(
+                f"{name}[{i}]: shape {t.shape} in {t.row_groups} row groups, expected [{', '.join(map(str, lead))}"
+                f"{', ' if lead else ''}N, {k}] in groups of {group_rows} rows (as {name}[0])"
+            )
+    return NVFP4Tensor(
+        packed=jnp.concatenate([t.packed for t in tensors], axis=-2),
+        scales=jnp.concatenate([t.scales for t in tensors], axis=-2),
+        global_scale=jnp.concatenate([t.global_scale.reshape(*lead, t.row_groups) for t in tensors], axis=-1),
+    )
 
 
 def random(key: jax.Array, shape: tuple[int, ...], *, sharding=None) -> NVFP4Tensor:

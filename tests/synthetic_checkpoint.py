@@ -9,7 +9,10 @@ NVIDIA's exports of Kimi K2 keep them); a few attention/embedding tensors sit be
 
 :func:`build` returns the tensors and, per MoE layer, the parameters in the library's layout
 built straight from the arrays that were quantized (before they were split into gate and up),
-so a test can compare the loader's output with data the loader never touched.
+so a test can compare the loader's output with data the loader never touched. With
+``separate_gate_up=True`` each expert's gate and up are quantized on their own, up scaled 3x to
+10x (by expert) first, so every expert's two ``weight_scale_2`` differ; the expected fused weight
+is then :func:`moe_jax.nvfp4.concat_rows` of the two (global scale ``[E, 2]``).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class Synthetic:
     config: dict                     # config.json
 
 
-def build(seed: int = 0) -> Synthetic:
+def build(seed: int = 0, *, separate_gate_up: bool = False) -> Synthetic:
     rng = np.random.default_rng(seed)
     t: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": _bf16(rng, (VOCAB, H)),
@@ -93,19 +96,29 @@ def build(seed: int = 0) -> Synthetic:
                 t[f"{mlp}.experts.{e}.up_proj.weight"] = w_gu[e, F:]
                 t[f"{mlp}.experts.{e}.down_proj.weight"] = w_dn[e]
         else:
-            # Gate and up quantized as one matrix per expert: one amax, so one weight_scale_2,
-            # as ModelOpt's export gives fused gate/up when it syncs their amax.
-            q_gu = jax.tree.map(np.asarray, nvfp4.quantize(jnp.asarray(w_gu)))
+            if separate_gate_up:
+                # Each projection quantized on its own, as ModelOpt does when it does not sync
+                # gate's and up's amax: two weight_scale_2 per expert, here 3x to 10x apart.
+                w_gu[:, F:] *= np.linspace(3.0, 10.0, E, dtype=np.float32)[:, None, None]
+                q_gu = jax.tree.map(np.asarray, nvfp4.concat_rows(
+                    nvfp4.quantize(jnp.asarray(w_gu[:, :F])), nvfp4.quantize(jnp.asarray(w_gu[:, F:]))))
+            else:
+                # Gate and up quantized as one matrix per expert: one amax, so one weight_scale_2,
+                # as ModelOpt's export gives fused gate/up when it syncs their amax.
+                q_gu = jax.tree.map(np.asarray, nvfp4.quantize(jnp.asarray(w_gu)))
             q_dn = jax.tree.map(np.asarray, nvfp4.quantize(jnp.asarray(w_dn)))
             p["experts"] = {"w_gate_up_egh": q_gu, "w_down_ehf": q_dn}
             inputs = {proj: (rng.uniform(0.5, 2.0, E) / (6 * 448)).astype(np.float32) for proj in ("gate", "up", "down")}
             p["input_scales"] = {f"{proj}_e": v for proj, v in inputs.items()}
+            global_gu = q_gu.global_scale.reshape(E, -1)  # [E, 1] or [E, 2]: gate's in column 0, up's in the last
             for e in range(E):
-                for proj, rows, q in (("gate", slice(0, F), q_gu), ("up", slice(F, 2 * F), q_gu), ("down", slice(None), q_dn)):
+                for proj, rows, q, g in (("gate", slice(0, F), q_gu, global_gu[e, 0]),
+                                         ("up", slice(F, 2 * F), q_gu, global_gu[e, -1]),
+                                         ("down", slice(None), q_dn, q_dn.global_scale[e])):
                     name = f"{mlp}.experts.{e}.{proj}_proj"
                     t[f"{name}.weight"] = q.packed[e, rows]
                     t[f"{name}.weight_scale"] = q.scales[e, rows]
-                    t[f"{name}.weight_scale_2"] = np.asarray(q.global_scale[e])
+                    t[f"{name}.weight_scale_2"] = np.asarray(g)
                     t[f"{name}.input_scale"] = np.asarray(inputs[proj][e])
         s_gu, s_dn = _bf16(rng, (2 * F, H)), _bf16(rng, (H, F))
         p["shared"] = {"w_gate_up_gh": s_gu, "w_down_hs": s_dn}

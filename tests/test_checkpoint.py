@@ -19,6 +19,7 @@ import moe_jax
 from moe_jax import MoEConfig, checkpoint, moe_forward, nvfp4, reference_forward, resolve
 from moe_jax.checkpoint import Checkpoint, CheckpointError, load_moe_layer, moe_layer_indices, save_moe_layer
 from moe_jax.layer import check_params, init_params, param_logical_axes, quantize_params
+from pallas_kernels.grouped_matmul import reference as gmm_reference
 from sharding.mesh import make_mesh
 
 KIMI_K2_CONFIG = {  # moonshotai/Kimi-K2-Instruct config.json, the MoE keys
@@ -397,10 +398,6 @@ ERRORS = {
         r"expected a MoE layer in 1\.\.3$"),
     "layer past the end": ({}, 4, r"^layer: 4, expected an int in 0\.\.3 \(num_hidden_layers = 4\)$"),
     "negative layer": ({}, -1, r"^layer: -1, expected an int in 0\.\.3"),
-    "differing gate/up scales": (
-        dict(edit=replace("model.layers.1.mlp.experts.7.up_proj.weight_scale_2", lambda a: a * np.float32(2))), 1,
-        rf"^{MLP1}\.experts\.7: gate_proj\.weight_scale_2 = [0-9.e-]+ and up_proj\.weight_scale_2 = [0-9.e-]+ differ; "
-        r"exact loading of differing gate/up scales needs per-half global scales, not supported yet$"),
     "unsupported quant_algo": (
         dict(config_edit=lambda c: c["quantization_config"].update(quant_algo="FP8")), 1,
         r"config.json quantization_config: quant_algo = 'FP8' is not supported, expected 'NVFP4'$"),
@@ -474,8 +471,9 @@ def test_other_errors(tmp_path, ckpt_dir, cpu_devices):
         load_moe_layer(ckpt_dir, 1, mesh=make_mesh(3, devices=cpu_devices[:3]), progress=False)
 
 
-def test_differing_shared_gate_up_scales_raise(tmp_path, synthetic):
-    """An NVFP4 shared expert: loaded as stored, and its gate/up scales checked like the experts'."""
+def test_differing_shared_gate_up_scales_load_exactly(tmp_path, synthetic, rng):
+    """An NVFP4 shared expert: loaded as stored, and where its gate and up scales differ, with a
+    global scale per half (``[2]``), exactly; equal scales keep one (``[]``)."""
     def quantized_shared(t):
         for layer in (1, 3):
             mlp = f"model.layers.{layer}.mlp.shared_experts"
@@ -486,17 +484,143 @@ def test_differing_shared_gate_up_scales_raise(tmp_path, synthetic):
                 t[f"{mlp}.{proj}_proj.weight"] = src.packed[rows]
                 t[f"{mlp}.{proj}_proj.weight_scale"] = src.scales[rows]
                 t[f"{mlp}.{proj}_proj.weight_scale_2"] = np.asarray(src.global_scale)
-        t["model.layers.3.mlp.shared_experts.up_proj.weight_scale_2"] = np.float32(1.0)
+        t["model.layers.3.mlp.shared_experts.up_proj.weight_scale_2"] = np.float32(0.02)
 
     directory = variant(tmp_path, synthetic, edit=quantized_shared,
                         config_edit=set_ignore(["model.layers.0.*", "model.layers.2*"]))
     config, params = load_moe_layer(directory, 1, progress=False)
     assert (config.weight_format, config.shared_format) == ("nvfp4", "nvfp4")
     assert isinstance(params["shared"]["w_gate_up_gh"], nvfp4.NVFP4Tensor)
+    assert params["shared"]["w_gate_up_gh"].global_scale.shape == ()
     assert "shared_gate" not in params["input_scales"]  # this shared expert stores no input scales
-    with pytest.raises(CheckpointError, match=r"^model\.layers\.3\.mlp\.shared_experts: gate_proj\.weight_scale_2 = "
-                                              r"[0-9.e-]+ and up_proj\.weight_scale_2 = 1\.0 differ; exact loading"):
-        load_moe_layer(directory, 3, progress=False)
+
+    config, params = load_moe_layer(directory, 3, config=sc.layer_config(expert_gemm="xla"), progress=False)
+    stored = Checkpoint(directory)
+    shared = "model.layers.3.mlp.shared_experts"
+    want = np.array([stored.read(f"{shared}.{p}_proj.weight_scale_2") for p in ("gate", "up")], np.float32)
+    assert want[1] == np.float32(0.02) and want[0] != want[1]
+    assert np.asarray(params["shared"]["w_gate_up_gh"].global_scale).tobytes() == want.tobytes()
+    assert params["experts"]["w_gate_up_egh"].global_scale.shape == (sc.E,)  # the routed experts agree
+    x = jnp.asarray(rng.standard_normal((16, sc.H)), jnp.bfloat16)
+    y, _ = jax.jit(moe_forward, static_argnums=2)(params, x, resolve(config))
+    assert rel_err(y, reference_forward(params, np.asarray(x, np.float64), config)) < 1e-2
+    save_moe_layer(tmp_path / "saved", 3, params, config)
+    for name in (n for n in stored.tensors if n.startswith(f"{shared}.")):
+        a, b = Checkpoint(tmp_path / "saved").read(name), stored.read(name)
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts whose gate and up weight_scale_2 differ
+
+
+@pytest.fixture(scope="module")
+def separate():
+    """Gate and up of every expert quantized on their own: two weight_scale_2, 3x-10x apart."""
+    return sc.build(seed=1, separate_gate_up=True)
+
+
+@pytest.fixture(scope="module")
+def separate_dir(separate, tmp_path_factory):
+    return sc.write(tmp_path_factory.mktemp("kimi_separate") / "ckpt", separate.tensors, separate.config, files=3)
+
+
+@pytest.mark.parametrize("layer", [1, 3])
+def test_differing_gate_up_scales_load_bit_exactly(separate_dir, separate, layer):
+    _, params = load_moe_layer(separate_dir, layer, progress=False)
+    assert_bitwise_equal(params, separate.expected[layer])
+    w = params["experts"]["w_gate_up_egh"]
+    assert w.global_scale.shape == (sc.E, 2)
+    stored = Checkpoint(separate_dir)
+    for e in range(sc.E):
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{p}_proj" for p in ("gate", "up")]
+        scales = np.array([stored.read(f"{n}.weight_scale_2") for n in names], np.float32)
+        assert np.asarray(w.global_scale[e]).tobytes() == scales.tobytes()
+        # Each half dequantizes exactly as its stored projection does on its own.
+        halves = [gmm_reference.dequantize(stored.read(f"{n}.weight")[None], stored.read(f"{n}.weight_scale")[None],
+                                           scales[i:i + 1]) for i, n in enumerate(names)]
+        fused = gmm_reference.dequantize(np.asarray(w.packed[e:e + 1]), np.asarray(w.scales[e:e + 1]),
+                                         np.asarray(w.global_scale[e:e + 1]))
+        np.testing.assert_array_equal(fused, np.concatenate(halves, axis=1))
+
+
+@pytest.mark.parametrize("expert_gemm", ["xla", "pallas"])
+def test_differing_gate_up_scales_match_the_float64_reference(separate_dir, separate, rng, cpu_devices, expert_gemm):
+    """Through ``moe_forward`` (the XLA path, and the Pallas kernels interpreted on one device),
+    the loaded layer equals the float64 reference of the stored tensors to bf16 rounding."""
+    layer_config = sc.layer_config(expert_gemm=expert_gemm, interpret=expert_gemm == "pallas")
+    config, params = load_moe_layer(separate_dir, 1, config=layer_config, progress=False)
+    plan = resolve(config, cpu_devices[:1])
+    assert plan.expert_gemm == expert_gemm
+    x = jnp.asarray(rng.standard_normal((16, sc.H)), jnp.bfloat16)
+    y, _ = jax.jit(moe_forward, static_argnums=2)(params, x, plan)
+    ref = reference_forward(separate.expected[1], np.asarray(x, np.float64), config)
+    assert rel_err(y, ref) < 1e-2
+    # The check can tell: one global scale (gate's) for both halves is far off.
+    expected = separate.expected[1]
+    w = expected["experts"]["w_gate_up_egh"]
+    gate_scale_only = {**expected, "experts": {**expected["experts"], "w_gate_up_egh": dataclasses.replace(
+        w, global_scale=w.global_scale[:, 0])}}
+    assert rel_err(reference_forward(gate_scale_only, np.asarray(x, np.float64), config), ref) > 0.1
+
+
+def test_differing_gate_up_scales_on_an_expert_parallel_mesh(separate_dir, separate, rng, cpu_devices):
+    """``[E, 2]`` global scales shard with their experts, ``(expert, None)``, read per device."""
+    mesh = make_mesh(4, devices=cpu_devices[:4])
+    config, params = load_moe_layer(separate_dir, 1, config=sc.layer_config(expert_gemm="xla"), mesh=mesh,
+                                    progress=False)
+    global_scale = params["experts"]["w_gate_up_egh"].global_scale
+    assert global_scale.sharding.spec == jax.sharding.PartitionSpec("expert", None)
+    want = np.asarray(separate.expected[1]["experts"]["w_gate_up_egh"].global_scale)
+    for shard in global_scale.addressable_shards:
+        assert shard.data.shape == (sc.E // 4, 2)
+        assert np.asarray(shard.data).tobytes() == np.ascontiguousarray(want[shard.index]).tobytes()
+    x = jnp.asarray(rng.standard_normal((32, sc.H)), jnp.bfloat16)
+    y, _ = moe_forward(params, x, resolve(config, mesh))
+    assert rel_err(y, reference_forward(separate.expected[1], np.asarray(x, np.float64), config)) < 1e-2
+
+
+def test_differing_gate_up_scales_save_round_trips_bit_exactly(separate_dir, tmp_path):
+    config, params = load_moe_layer(separate_dir, 1, progress=False)
+    save_moe_layer(tmp_path / "saved", 1, params, config)
+    again_config, again = load_moe_layer(tmp_path / "saved", 1, progress=False)
+    assert again_config == config
+    assert_bitwise_equal(again, params)
+    saved, original = Checkpoint(tmp_path / "saved"), Checkpoint(separate_dir)
+    assert set(saved.tensors) == {n for n in original.tensors if n.startswith("model.layers.1.mlp.")}
+    for name in saved.tensors:
+        a, b = saved.read(name), original.read(name)
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), name
+
+
+def test_one_expert_one_ulp_apart_gives_the_layer_per_half_scales(tmp_path, synthetic):
+    """One array holds every expert's scales: one expert whose gate and up differ (by one ulp
+    here, which still changes its weights) gives every expert of the layer a scale per half."""
+    name = "model.layers.1.mlp.experts.7.up_proj.weight_scale_2"
+    directory = variant(tmp_path, synthetic, edit=replace(name, lambda a: np.nextafter(a, np.float32(1))))
+    _, params = load_moe_layer(directory, 1, progress=False)
+    shared = np.asarray(synthetic.expected[1]["experts"]["w_gate_up_egh"].global_scale)
+    want = np.stack([shared, shared], axis=1)
+    want[7, 1] = np.nextafter(want[7, 1], np.float32(1))
+    assert np.asarray(params["experts"]["w_gate_up_egh"].global_scale).tobytes() == want.tobytes()
+    # Layer 3 (untouched) keeps one scale per expert.
+    assert load_moe_layer(directory, 3, progress=False)[1]["experts"]["w_gate_up_egh"].global_scale.shape == (sc.E,)
+
+
+def test_check_params_takes_a_global_scale_per_half_for_gate_up_only(separate):
+    params = separate.expected[1]
+    config = dataclasses.replace(sc.layer_config(), weight_format="nvfp4", shared_weight_format="bf16")
+    check_params(params, config)
+    w_down = params["experts"]["w_down_ehf"]
+    per_half_down = dataclasses.replace(w_down, global_scale=np.stack([w_down.global_scale] * 2, axis=1))
+    with pytest.raises(ValueError, match=r"^params\['experts'\]\['w_down_ehf'\]\.global_scale: shape \(16, 2\), "
+                                         r"expected \(16,\)$"):
+        check_params({**params, "experts": {**params["experts"], "w_down_ehf": per_half_down}}, config)
+    w = params["experts"]["w_gate_up_egh"]
+    four = dataclasses.replace(w, global_scale=np.concatenate([w.global_scale] * 2, axis=1))
+    with pytest.raises(ValueError, match=r"^params\['experts'\]\['w_gate_up_egh'\]\.global_scale: shape \(16, 4\), "
+                                         r"expected \(16,\) or \(16, 2\)$"):
+        check_params({**params, "experts": {**params["experts"], "w_gate_up_egh": four}}, config)
 
 
 def test_lazy_exports():

@@ -10,23 +10,33 @@ import numpy as np
 import pytest
 
 import sharding
-from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, reference_forward, resolve
+from moe_jax import (
+    MoEConfig, init_params, moe_forward, nvfp4, quantize_params, reference_forward, resolve, shard_params,
+)
 
 SHAPE = dict(num_experts=8, top_k=3, hidden_size=128, expert_intermediate_size=64)
 
 
-def make(config, rng, tokens):
+def make(config, rng, tokens, *, own_scales=False):
+    """``own_scales``: NVFP4 gate and up quantized separately, up 3-10x larger, so each expert's
+    fused gate/up weight keeps two global scales (``[E, 2]``), as such a checkpoint loads."""
     params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
     params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
     if config.weight_format == "nvfp4":
         params = quantize_params(params)
+    if own_scales:
+        w_gate_up_egh = params["experts"]["w_gate_up_egh"]
+        gate, up = jnp.split(nvfp4.dequantize(w_gate_up_egh), 2, axis=1)
+        up = up * jnp.asarray(rng.uniform(3, 10, (config.num_experts, 1, 1)), jnp.float32)
+        params["experts"]["w_gate_up_egh"] = nvfp4.concat_rows(nvfp4.quantize(gate), nvfp4.quantize(up))
+        assert params["experts"]["w_gate_up_egh"].global_scale.shape == (config.num_experts, 2)
     return params, jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
 
 
-def check_against_reference(config, devices_or_mesh, rng, tokens=40):
+def check_against_reference(config, devices_or_mesh, rng, tokens=40, *, own_scales=False):
     plan = resolve(config, devices_or_mesh)
     assert plan.expert_gemm == "pallas"
-    params, x = make(config, rng, tokens)
+    params, x = make(config, rng, tokens, own_scales=own_scales)
     forward = jax.jit(moe_forward, static_argnums=2)
     hlo = forward.lower(params, x, plan).compile().as_text()
     assert set(re.findall(r"moe_jax\.expert_gemm\.[a-z_]+", hlo)) == {"moe_jax.expert_gemm.pallas"}
@@ -45,6 +55,25 @@ def check_against_reference(config, devices_or_mesh, rng, tokens=40):
 def test_pallas_in_the_interpreter_matches_the_reference(rng, cpu_devices, weight_format):
     config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format, expert_gemm="pallas", interpret=True)
     check_against_reference(config, cpu_devices[:1], rng)
+
+
+def test_pallas_in_the_interpreter_with_a_global_scale_per_gate_and_up_half(rng, cpu_devices):
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="pallas", interpret=True)
+    check_against_reference(config, cpu_devices[:1], rng, own_scales=True)
+
+
+def test_global_scale_per_half_under_an_expert_parallel_mesh(rng, cpu_devices):
+    """``[E, 2]`` global scales shard with their experts (``(expert, None)``) and the layer on a
+    2-device mesh, interpreted kernels inside its shard_map, still matches the reference."""
+    config = MoEConfig.kimi_k2(**{**SHAPE, "top_k": 2}, weight_format="nvfp4", expert_gemm="pallas",
+                               exchange="padded", interpret=True)
+    mesh = sharding.make_mesh(2, devices=cpu_devices[:2])
+    params, _ = make(config, rng, tokens=1, own_scales=True)
+    placed = shard_params(params, resolve(config, mesh))
+    global_scale = placed["experts"]["w_gate_up_egh"].global_scale
+    assert global_scale.sharding.spec == jax.sharding.PartitionSpec("expert", None)
+    assert {s.data.shape for s in global_scale.addressable_shards} == {(config.num_experts // 2, 2)}
+    check_against_reference(config, mesh, rng, own_scales=True)
 
 
 @pytest.mark.parametrize("exchange,weight_format", [("padded", "bf16"), ("padded", "nvfp4"), ("allgather", "bf16"),
@@ -92,3 +121,9 @@ def test_pallas_on_cpu_without_the_interpreter_raises(cpu_devices):
 def test_pallas_on_gpu_matches_the_reference(rng, weight_format):
     config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format)  # auto must choose pallas
     check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300)
+
+
+@pytest.mark.gpu
+def test_pallas_on_gpu_with_a_global_scale_per_gate_and_up_half(rng):
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4")
+    check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300, own_scales=True)

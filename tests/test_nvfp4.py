@@ -220,3 +220,68 @@ def test_validate_names_the_broken_field():
         nvfp4.NVFP4Tensor(t.packed, t.scales, t.global_scale[:1]).validate("w")
     with pytest.raises(ValueError, match="w.packed: dtype int8"):
         nvfp4.NVFP4Tensor(t.packed.astype(jnp.int8), t.scales, t.global_scale).validate("w")
+
+
+# --- global scales per row group ----------------------------------------------------------------
+
+
+def test_grouped_global_scales_apply_to_their_rows(rng):
+    """``global_scale [..., G]``: rows ``i*N/G .. (i+1)*N/G - 1`` use scale ``i``."""
+    t = nvfp4.quantize(jnp.asarray(rng.standard_normal((3, 12, 32)), jnp.float32))
+    assert t.row_groups == 1
+    factors = np.array([0.5, 4.0, 2.0 ** -3], np.float32)  # powers of two: the products stay exact
+    grouped = nvfp4.NVFP4Tensor(t.packed, t.scales, t.global_scale[:, None] * factors).validate("w")
+    assert grouped.row_groups == 3 and grouped.shape == t.shape
+    want = np.asarray(nvfp4.dequantize(t)) * np.repeat(factors, 4)[None, :, None]
+    np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(grouped)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(nvfp4.dequantize)(grouped)), want)
+    # One matrix (no leading axes), two groups.
+    single = nvfp4.NVFP4Tensor(t.packed[0], t.scales[0], jnp.stack([t.global_scale[0], 2 * t.global_scale[0]]))
+    got = np.asarray(nvfp4.dequantize(single.validate("w")))
+    np.testing.assert_array_equal(got[:6], np.asarray(nvfp4.dequantize(t))[0, :6])
+    np.testing.assert_array_equal(got[6:], 2 * np.asarray(nvfp4.dequantize(t))[0, 6:])
+
+
+def test_validate_grouped_global_scales():
+    t = nvfp4.quantize(jnp.ones((2, 12, 32)))
+    for g in (1, 2, 3, 4, 6, 12):
+        nvfp4.NVFP4Tensor(t.packed, t.scales, jnp.ones((2, g), jnp.float32)).validate("w")
+    for shape in [(2, 5), (2, 0), (3, 2), (2, 2, 1), (1,)]:
+        with pytest.raises(ValueError, match=rf"^w\.global_scale: shape \({', '.join(map(str, shape))},?\), "
+                                             r"expected \(2,\) \(one per matrix\) or \(2, 'G'\) with G dividing N=12 "
+                                             r"\(one per group of N/G rows\)$"):
+            nvfp4.NVFP4Tensor(t.packed, t.scales, jnp.ones(shape, jnp.float32)).validate("w")
+
+
+def test_concat_rows_is_exact(rng):
+    """Gate and up quantized on their own (global scales about 5x apart) and fused: the result
+    dequantizes to the parts' dequantizations bit for bit, codes and block scales untouched."""
+    gate = nvfp4.quantize(jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.float32))
+    up = nvfp4.quantize(jnp.asarray(rng.standard_normal((4, 16, 64)) * 5, jnp.float32))
+    fused = nvfp4.concat_rows(gate, up).validate("fused")
+    assert fused.shape == (4, 32, 64) and fused.row_groups == 2
+    np.testing.assert_array_equal(np.asarray(fused.global_scale),
+                                  np.stack([np.asarray(gate.global_scale), np.asarray(up.global_scale)], axis=-1))
+    for field in ("packed", "scales"):
+        np.testing.assert_array_equal(np.asarray(getattr(fused, field)).view(np.uint8),
+                                      np.concatenate([np.asarray(getattr(p, field)) for p in (gate, up)], 1).view(np.uint8))
+    got = np.asarray(nvfp4.dequantize(fused))
+    want = np.concatenate([np.asarray(nvfp4.dequantize(gate)), np.asarray(nvfp4.dequantize(up))], axis=1)
+    assert got.tobytes() == want.tobytes()
+    # Grouped parts keep their groups: three parts of equal group size give G = 1 + 2 + 1.
+    three = nvfp4.concat_rows(gate, fused, up)
+    assert three.global_scale.shape == (4, 4)
+    assert np.asarray(nvfp4.dequantize(three)).tobytes() == np.concatenate([want[:, :16], want, want[:, 16:]], 1).tobytes()
+
+
+def test_concat_rows_errors_name_the_part():
+    a = nvfp4.quantize(jnp.ones((2, 16, 32)))
+    with pytest.raises(ValueError, match=r"^parts: no tensors"):
+        nvfp4.concat_rows(name="parts")
+    with pytest.raises(ValueError, match=r"^parts\[1\]: shape \(2, 16, 64\) in 1 row groups, expected \[2, N, 32\] "
+                                         r"in groups of 16 rows \(as parts\[0\]\)$"):
+        nvfp4.concat_rows(a, nvfp4.quantize(jnp.ones((2, 16, 64))), name="parts")
+    with pytest.raises(ValueError, match=r"^parts\[1\]: shape \(2, 8, 32\) in 1 row groups, expected .*groups of 16 rows"):
+        nvfp4.concat_rows(a, nvfp4.quantize(jnp.ones((2, 8, 32))), name="parts")
+    with pytest.raises(ValueError, match=r"^parts\[1\]\.global_scale: shape"):
+        nvfp4.concat_rows(a, nvfp4.NVFP4Tensor(a.packed, a.scales, a.global_scale[:1]), name="parts")

@@ -11,7 +11,10 @@ Public API::
   object with ``.packed`` uint8 ``[E, N, K/2]`` (element ``2i`` in the low nibble),
   ``.scales`` float8_e4m3fn ``[E, N, K/16]`` and ``.global_scale`` float32 ``[E]``. The
   kernels read this layout as stored: no repacking, no ``prepare_weights`` step.
-* ``w_gate_up``: ``[E, 2F, K]``, gate rows ``0..F-1`` then up rows ``F..2F-1``.
+* ``w_gate_up``: ``[E, 2F, K]``, gate rows ``0..F-1`` then up rows ``F..2F-1``. As NVFP4 its
+  ``.global_scale`` may also be ``[E, 2]``: gate's and up's own global scales (ModelOpt gives
+  each projection a ``weight_scale_2``, and they can differ), each applied to its half's fp32
+  accumulator, so the fused product is exact for either layout.
 * ``group_sizes_e``: int32 ``[E]``.
 * ``compute_capability``: the target's ``major * 10 + minor`` (90 for H200, 120 for an RTX PRO
   6000); it picks the tile table row (:mod:`.tuning`).
@@ -60,25 +63,37 @@ def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e, *, compute_capability: int, i
                interpret=interpret, out=out)
 
 
-def _weight_format(w, name: str, num_experts: int, k: int) -> tuple[WeightFormat, tuple, int]:
-    """Validates ``w``; returns its format, the kernel's weight operands and N."""
+def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[WeightFormat, tuple, int, int]:
+    """Validates ``w``; returns its format, the kernel's weight operands, N and the global
+    scales per expert (1; or 2, gate's and up's, for the fused op)."""
     if all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
         packed, scales, global_scale = w.packed, w.scales, w.global_scale
-        checks = (("packed", packed, np.uint8, 3), ("scales", scales, _FLOAT8_E4M3FN, 3),
-                  ("global_scale", global_scale, np.float32, 1))
-        for field, array, dtype, ndim in checks:
-            if np.dtype(array.dtype) != dtype or array.ndim != ndim:
+        checks = (("packed", packed, np.uint8, (3,)), ("scales", scales, _FLOAT8_E4M3FN, (3,)),
+                  ("global_scale", global_scale, np.float32, (1, 2)))
+        for field, array, dtype, ranks in checks:
+            if np.dtype(array.dtype) != dtype or array.ndim not in ranks:
                 raise ValueError(f"{name}.{field}: {array.dtype}{list(array.shape)}, expected "
-                                 f"{np.dtype(dtype).name} of rank {ndim}")
+                                 f"{np.dtype(dtype).name} of rank {' or '.join(map(str, ranks))}")
         e, n, k_half = packed.shape
-        expected = {"packed": (num_experts, n, k // 2), "scales": (num_experts, n, k // 16),
-                    "global_scale": (num_experts,)}
-        for field, array in (("packed", packed), ("scales", scales), ("global_scale", global_scale)):
+        match op:
+            case Op.MATMUL:
+                scale_shapes = ((num_experts,),)
+            case Op.GATE_UP_SWIGLU:
+                scale_shapes = ((num_experts,), (num_experts, 2))
+            case _:
+                assert_never(op)
+        expected = {"packed": (num_experts, n, k // 2), "scales": (num_experts, n, k // 16)}
+        for field, array in (("packed", packed), ("scales", scales)):
             if tuple(array.shape) != expected[field]:
                 raise ValueError(f"{name}.{field}: shape {tuple(array.shape)}, expected {expected[field]} "
                                  f"for E={num_experts} experts (group_sizes_e), K={k} (x_mk) and N={n}")
+        if tuple(global_scale.shape) not in scale_shapes:
+            raise ValueError(f"{name}.global_scale: shape {tuple(global_scale.shape)}, expected "
+                             f"{' or '.join(map(str, scale_shapes))} for E={num_experts} experts (group_sizes_e): "
+                             f"one per expert{', or gate and up of each' if len(scale_shapes) > 1 else ''}")
         scales_u8 = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-        return WeightFormat.NVFP4, (packed, scales_u8, global_scale), n
+        scale_groups = 1 if global_scale.ndim == 1 else global_scale.shape[1]
+        return WeightFormat.NVFP4, (packed, scales_u8, global_scale), n, scale_groups
     if not hasattr(w, "dtype") or not hasattr(w, "shape"):
         raise ValueError(f"{name}: {type(w).__name__}, expected a bf16 array or an NVFP4 tensor "
                          "(.packed, .scales, .global_scale)")
@@ -87,7 +102,7 @@ def _weight_format(w, name: str, num_experts: int, k: int) -> tuple[WeightFormat
     if w.shape[0] != num_experts or w.shape[2] != k:
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected [E={num_experts} (group_sizes_e), N, "
                          f"K={k} (x_mk)]")
-    return WeightFormat.BF16, (w,), w.shape[1]
+    return WeightFormat.BF16, (w,), w.shape[1], 1
 
 
 def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool = False, out=None,
@@ -113,7 +128,7 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
     if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
         raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
     num_experts = group_sizes_e.shape[0]
-    weights, weight_arrays, n = _weight_format(w, weight_name, num_experts, k)
+    weights, weight_arrays, n, scale_groups = _weight_format(w, weight_name, op, num_experts, k)
     match op:
         case Op.MATMUL:
             n_out = n
@@ -145,7 +160,7 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         block_k=tuning.fit_block(config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
         max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
-        check_bounds=check_bounds,
+        scale_groups=scale_groups, check_bounds=check_bounds,
     )
     return _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out)
 

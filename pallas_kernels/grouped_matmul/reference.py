@@ -14,19 +14,26 @@ E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3
 BLOCK = 16
 
 
-def dequantize(packed_enj, scales_enb, global_scale_e) -> np.ndarray:
+def dequantize(packed_enj, scales_enb, global_scale) -> np.ndarray:
     """NVFP4 in ModelOpt's layout -> float64 ``[E, N, K]``, exactly.
 
     Args:
       packed_enj: uint8 ``[E, N, K/2]``, element ``2i`` in the low nibble of byte ``i``.
       scales_enb: float8_e4m3fn ``[E, N, K/16]``.
-      global_scale_e: float32 ``[E]``.
+      global_scale: float32 ``[E]`` (one per expert) or ``[E, G]`` (one per group of ``N/G``
+        consecutive rows: gate and up of a fused ``[2F, K]`` with ``G = 2``).
     """
     packed = np.asarray(packed_enj)
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
     values = E2M1_VALUES[codes]
     e, n, k = values.shape
-    scales = np.asarray(scales_enb).astype(np.float64) * np.asarray(global_scale_e, np.float64)[:, None, None]
+    global_scale = np.asarray(global_scale, np.float64)
+    if (global_scale.ndim not in (1, 2) or global_scale.shape[0] != e
+            or (global_scale.ndim == 2 and not (global_scale.shape[1] and n % global_scale.shape[1] == 0))):
+        raise ValueError(f"global_scale: shape {global_scale.shape}, expected [{e}] or [{e}, G] with G dividing N={n}")
+    global_scale_eg = global_scale.reshape(e, -1)
+    global_scale_en = np.repeat(global_scale_eg, n // global_scale_eg.shape[1], axis=1)
+    scales = np.asarray(scales_enb).astype(np.float64) * global_scale_en[:, :, None]
     return (values.reshape(e, n, k // BLOCK, BLOCK) * scales[..., None]).reshape(e, n, k)
 
 

@@ -21,7 +21,9 @@ NVFP4 dequantization inside the K loop (:class:`Dequant`):
   fields (Marlin's trick; inline PTX on four packed bytes at a time), which gives
   ``value * 2**-126``; the block scale, converted to bf16 with ``2**119`` folded in, multiplies
   it to ``value * scale * 2**-7``, which bf16 holds exactly (at most 6 significant bits, far
-  from both ends of the range); the epilogue multiplies by ``global_scale * 2**7`` in fp32.
+  from both ends of the range); the epilogue multiplies by ``global_scale * 2**7`` in fp32
+  (for the fused op with per-half global scales, ``KernelSpec.scale_groups == 2``, the gate
+  accumulator by gate's and the up accumulator by up's).
   Code 1 (0.5) becomes a bf16 subnormal, which the GPU's bf16 multiply keeps (PTX has no
   flush-to-zero for bf16), but XLA:CPU would flush.
 * ``EXACT`` computes the same bf16 operand with normal floats only (selects for the
@@ -69,7 +71,15 @@ class KernelSpec:
     block_n: int
     max_tiles: int
     aliased: bool
+    # NVFP4 global scales per expert: 1 (``[E]``), or 2 (``[E, 2]``: gate's and up's, fused op only).
+    scale_groups: int = 1
     check_bounds: bool = False  # Count out-of-range accesses (interpret mode only; see _Memory).
+
+    def __post_init__(self):
+        allowed = (1, 2) if self.weights is WeightFormat.NVFP4 and self.op is Op.GATE_UP_SWIGLU else (1,)
+        if self.scale_groups not in allowed:
+            raise ValueError(f"KernelSpec.scale_groups: {self.scale_groups}, expected one of {allowed} for "
+                             f"{self.op.value} with {self.weights.value} weights")
 
     @property
     def swap_ab(self) -> bool:
@@ -386,8 +396,15 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         accs = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in halves)
         accs = jax.lax.fori_loop(0, spec.k // bk, body, accs)
         if spec.weights is WeightFormat.NVFP4:
-            factor = memory.read(global_scale_ref, expert) * jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
-            accs = tuple(acc * factor for acc in accs)
+            deficit = jnp.float32(2.0**OPERAND_EXPONENT_DEFICIT)
+            if spec.scale_groups == 1:
+                factor = memory.read(global_scale_ref, expert) * deficit
+                accs = tuple(acc * factor for acc in accs)
+            else:
+                # Gate and up have their own global scales (KernelSpec.__post_init__ allows two
+                # only for the fused op): each half's accumulator takes its own, in fp32 as above.
+                accs = tuple(acc * (memory.read(global_scale_ref, expert, half) * deficit)
+                             for half, acc in enumerate(accs))
         match spec.op:
             case Op.MATMUL:
                 (y,) = accs
@@ -426,8 +443,8 @@ def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret
       spec: the static description.
       schedule: :func:`tile_schedule`'s three int32 ``[max_tiles]`` arrays.
       x_mk: bf16 ``[M, K]``.
-      weight_arrays: ``(w_enk,)`` bf16, or ``(packed_enj uint8, scales_enb uint8,
-        global_scale_e float32)``.
+      weight_arrays: ``(w_enk,)`` bf16, or ``(packed_enj uint8, scales_enb uint8, global_scale
+        float32)``, the global scale ``[E]`` or, with ``spec.scale_groups == 2``, ``[E, 2]``.
       out_mn: None, or a bf16 ``[M, n_out]`` buffer aliased to the output.
       interpret: run in Pallas interpret mode.
 

@@ -9,6 +9,7 @@ In interpret mode the kernels also count every load and store lane outside its b
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +58,25 @@ def _weights(rng, fmt: str, e: int, rows: int, k: int):
     raise AssertionError(fmt)
 
 
-def _inputs(rng, case: Case, fmt: str, op: Op):
+def _gate_up_own_scales(rng, e: int, f: int, k: int):
+    """NVFP4 ``[E, 2F, K]`` with global scales ``[E, 2]``: gate and up quantized separately, up
+    3-10x larger than gate, so applying either half's scale to both would be far off."""
+    gate = rng.standard_normal((e, f, k)) * 0.05
+    up = rng.standard_normal((e, f, k)) * 0.05 * rng.uniform(3, 10, (e, 1, 1))
+    w = nvfp4.concat_rows(*(nvfp4.quantize(jnp.asarray(half, jnp.float32)) for half in (gate, up)))
+    ratio = np.asarray(w.global_scale[:, 1] / w.global_scale[:, 0])
+    assert w.global_scale.shape == (e, 2) and (ratio > 2).all(), ratio
+    return w
+
+
+def _inputs(rng, case: Case, fmt: str, op: Op, *, own_scales: bool = False):
+    """``own_scales``: NVFP4 gate/up with a global scale per half (:func:`_gate_up_own_scales`)."""
     x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
     rows = 2 * case.n if op is Op.GATE_UP_SWIGLU else case.n
-    w = _weights(rng, fmt, len(case.groups), rows, case.k)
+    if own_scales:
+        w = _gate_up_own_scales(rng, len(case.groups), case.n, case.k)
+    else:
+        w = _weights(rng, fmt, len(case.groups), rows, case.k)
     return x, w, jnp.asarray(case.groups, jnp.int32)
 
 
@@ -83,8 +99,9 @@ def _check(out, ref, *, padding_poisoned: bool):
         assert np.isnan(out[ref.shape[0]:]).all()
 
 
-def _run_case(rng, case: Case, fmt: str, op: Op, variant: Variant, *, compute_capability: int, interpret: bool):
-    x, w, group_sizes = _inputs(rng, case, fmt, op)
+def _run_case(rng, case: Case, fmt: str, op: Op, variant: Variant, *, compute_capability: int, interpret: bool,
+              own_scales: bool = False):
+    x, w, group_sizes = _inputs(rng, case, fmt, op, own_scales=own_scales)
     poisoned = jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16)
     out = run(op, x, w, group_sizes, compute_capability=compute_capability, interpret=interpret, out=poisoned,
               variant=variant, check_bounds=interpret)
@@ -100,6 +117,28 @@ def _run_case(rng, case: Case, fmt: str, op: Op, variant: Variant, *, compute_ca
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_interpret_matches_float64_reference(rng, case, fmt, op, variant):
     _run_case(rng, case, fmt, op, variant, compute_capability=90, interpret=True)
+
+
+# Cases for gate/up with a global scale per half, in the interpreter (the GPU runs all of GPU_CASES).
+OWN_SCALE_CASES = {name: CASES[name] for name in ("empty_and_one_row_groups", "m_not_a_tile_multiple",
+                                                   "groups_sum_past_the_rows")}
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("case", OWN_SCALE_CASES.values(), ids=OWN_SCALE_CASES.keys())
+def test_interpret_gate_up_with_own_global_scales(rng, case, variant):
+    _run_case(rng, case, "nvfp4", Op.GATE_UP_SWIGLU, variant, compute_capability=90, interpret=True,
+              own_scales=True)
+
+
+def test_own_global_scales_matter(rng):
+    """The check above can tell: one global scale for both halves misses the reference by far."""
+    case = OWN_SCALE_CASES["empty_and_one_row_groups"]
+    x, w, group_sizes = _inputs(rng, case, "nvfp4", Op.GATE_UP_SWIGLU, own_scales=True)
+    gate_scale_only = dataclasses.replace(w, global_scale=w.global_scale[:, 0])
+    wrong = reference.gate_up_swiglu(x, gate_scale_only, group_sizes)
+    with pytest.raises(AssertionError, match="relative Frobenius error"):
+        _check(jnp.asarray(wrong, jnp.bfloat16), reference.gate_up_swiglu(x, w, group_sizes), padding_poisoned=False)
 
 
 def _gpu_capability() -> int:
@@ -118,11 +157,21 @@ def test_gpu_matches_float64_reference(rng, case, fmt, op, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
-@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.value)
-def test_gpu_ptx_and_exact_dequantization_agree(rng, op, variant):
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_gate_up_with_own_global_scales(rng, case, variant):
+    _run_case(rng, case, "nvfp4", Op.GATE_UP_SWIGLU, variant, compute_capability=_gpu_capability(),
+              interpret=False, own_scales=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("op, own_scales", [(Op.MATMUL, False), (Op.GATE_UP_SWIGLU, False),
+                                            (Op.GATE_UP_SWIGLU, True)],
+                         ids=["matmul", "gate_up_swiglu", "gate_up_swiglu_own_scales"])
+def test_gpu_ptx_and_exact_dequantization_agree(rng, op, own_scales, variant):
     """Both NVFP4 formulations build the same bf16 operand, so the outputs match bit for bit."""
     case = GPU_CASES["several_k_steps_and_row_tiles"]
-    x, w, group_sizes = _inputs(rng, case, "nvfp4", op)
+    x, w, group_sizes = _inputs(rng, case, "nvfp4", op, own_scales=own_scales)
     outs = [run(op, x, w, group_sizes, compute_capability=_gpu_capability(), variant=variant, dequant=d)
             for d in (Dequant.PTX, Dequant.EXACT)]
     rows = reference.valid_rows(group_sizes, case.m)
@@ -140,6 +189,9 @@ def test_gpu_public_functions_kimi_decode_shape(rng):
     h = gate_up_swiglu(x, w_gate_up, group_sizes, compute_capability=cc,
                        out=jnp.full((m, f), jnp.nan, jnp.bfloat16))
     _check(h, reference.gate_up_swiglu(x, w_gate_up, group_sizes), padding_poisoned=True)
+    own = _gate_up_own_scales(rng, e, f, k)
+    h_own = gate_up_swiglu(x, own, group_sizes, compute_capability=cc, out=jnp.full((m, f), jnp.nan, jnp.bfloat16))
+    _check(h_own, reference.gate_up_swiglu(x, own, group_sizes), padding_poisoned=True)
     w_down = _weights(rng, "nvfp4", e, k, f)
     y = grouped_matmul(h, w_down, group_sizes, compute_capability=cc, out=jnp.full((m, k), jnp.nan, jnp.bfloat16))
     _check(y, reference.grouped_matmul(h, w_down, group_sizes), padding_poisoned=True)
@@ -267,6 +319,40 @@ def test_bad_arguments_raise_naming_the_argument(rng, mutate, name):
     x, w, g = mutate(*_valid(rng))
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         grouped_matmul(x, w, g, compute_capability=90, interpret=True)
+
+
+def test_global_scale_shapes_each_op_takes(rng):
+    """grouped_matmul: ``[E]`` only; gate_up_swiglu: ``[E]`` or ``[E, 2]`` (gate's, up's)."""
+    x, w, g = _valid(rng)
+    e = w.global_scale.shape[0]
+    per_half = dataclasses.replace(w, global_scale=jnp.stack([w.global_scale, w.global_scale], axis=1))
+    with pytest.raises(ValueError, match=rf"^w\.global_scale: shape \({e}, 2\), expected \({e},\) for E={e} "
+                                         r"experts \(group_sizes_e\): one per expert$"):
+        grouped_matmul(x, per_half, g, compute_capability=90, interpret=True)
+    xg, w_gate_up, gg = _inputs(rng, CASES["minimum_k_and_n"], "nvfp4", Op.GATE_UP_SWIGLU)
+    for bad, expected in ((w_gate_up.global_scale[:, None, None], "float32 of rank 1 or 2"),
+                          (jnp.ones((e, 3), jnp.float32), f"({e},) or ({e}, 2)"),
+                          (w_gate_up.global_scale[:1], f"({e},) or ({e}, 2)"),
+                          (jnp.ones((e + 1, 2), jnp.float32), f"({e},) or ({e}, 2)")):
+        with pytest.raises(ValueError, match=r"^w_gate_up\.global_scale: .*expected " + re.escape(expected)):
+            gate_up_swiglu(xg, dataclasses.replace(w_gate_up, global_scale=bad), gg, compute_capability=90,
+                           interpret=True)
+    with pytest.raises(ValueError, match=r"^KernelSpec\.scale_groups: 2, expected one of \(1,\) for matmul"):
+        dataclasses.replace(triton_backend.KernelSpec(
+            variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=Dequant.EXACT,
+            config=tuning.TILE_TABLE[90][(Variant.DECODE, tuning.WeightFormat.NVFP4, Op.MATMUL)], num_rows=16, k=64,
+            n_out=16, block_k=64, block_n=16, max_tiles=2, aliased=False), scale_groups=2)
+
+
+def test_reference_dequantize_applies_each_groups_scale(rng):
+    t = nvfp4.quantize(jnp.asarray(rng.standard_normal((3, 32, 64)), jnp.float32))
+    per_matrix = reference.dequantize(t.packed, t.scales, t.global_scale)
+    factors = np.asarray([[1.0, 2.0, 4.0, 0.5]], np.float32)
+    grouped = reference.dequantize(t.packed, t.scales, np.asarray(t.global_scale)[:, None] * factors)
+    np.testing.assert_array_equal(grouped, per_matrix * np.repeat(factors, 8, axis=1)[:, :, None])
+    with pytest.raises(ValueError, match=r"^global_scale: shape \(3, 3\), expected \[3\] or \[3, G\] with G "
+                                         r"dividing N=32$"):
+        reference.dequantize(t.packed, t.scales, np.ones((3, 3), np.float32))
 
 
 def test_bad_out_capability_and_fused_rows_raise(rng):

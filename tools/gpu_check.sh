@@ -27,7 +27,7 @@
 #   GPU_CHECK_PASSES="1 2"         which passes to run (e.g. "2" for pass 2 in a call of its own)
 #   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist)
 #   GPU_CHECK_BUDGET_S=560         seconds for the whole script (the device call allows 600)
-#   GPU_CHECK_PASS1_S=300          upper bound for pass 1
+#   GPU_CHECK_PASS1_S=420          upper bound for pass 1
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
 #   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed
 #   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
@@ -157,7 +157,7 @@ fi
 passes="${GPU_CHECK_PASSES:-1 2}"
 if [[ " $passes " == *" 1 "* ]]; then
   # shellcheck disable=SC2086  # word splitting of the selections is intended
-  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-300}" "$(max 60 "$(( $(left) - 30 ))")")" \
+  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \
     CUDA_VISIBLE_DEVICES=0 -- $pass1
 else
   record_args+=(--not-run "1 GPU (pass 1)|not selected (GPU_CHECK_PASSES='$passes')")

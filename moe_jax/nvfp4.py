@@ -212,10 +212,7 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
     # scale (2**-9) and real codes rather than rounding to scale 0.
     ratio = jnp.clip(ratio, jnp.float32(E4M3_MIN_SUBNORMAL), jnp.float32(E4M3_MAX))
     scales = ratio.astype(jnp.float8_e4m3fn)
-    # The codes divide by the *stored* scale. XLA:GPU's excess-precision rewrite folds a
-    # float32 -> e4m3 -> float32 round trip away (it then divided by the unrounded ratio and
-    # changed ~5% of the codes); the barrier keeps the e4m3 value.
-    denom = jax.lax.optimization_barrier(scales).astype(jnp.float32) * global_scale[..., None, None]
+    denom = scales.astype(jnp.float32) * global_scale[..., None, None]
     scaled = _true_divide(w_blocks, denom[..., None])
     # In an all-zero matrix (global scale 0) every element is 0/0; ModelOpt encodes that NaN
     # as code 7, which reads as 6 * scale if the global scale is ever replaced. Zero is code 0.

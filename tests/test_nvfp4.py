@@ -285,27 +285,3 @@ def test_concat_rows_errors_name_the_part():
         nvfp4.concat_rows(a, nvfp4.quantize(jnp.ones((2, 8, 32))), name="parts")
     with pytest.raises(ValueError, match=r"^parts\[1\]\.global_scale: shape"):
         nvfp4.concat_rows(a, nvfp4.NVFP4Tensor(a.packed, a.scales, a.global_scale[:1]), name="parts")
-
-
-@pytest.mark.parametrize("device", [
-    pytest.param("gpu", marks=pytest.mark.gpu),
-    "cpu",  # the CPU twin: the same jitted arithmetic through XLA:CPU
-])
-@pytest.mark.parametrize("outlier", [False, True], ids=["gaussian", "one_outlier"])
-def test_quantize_inside_jit_gives_the_hosts_codes(rng, device, outlier):
-    """Traced inputs quantize where the computation runs; the codes must still be the host's.
-
-    On an H200, XLA:GPU's excess-precision rewrite dropped the e4m3 round trip of the block
-    scale and changed 12,453 of 262,144 codes of a Gaussian 512 x 512 matrix (issue 8).
-    """
-    w = rng.standard_normal((2, 512, 512)).astype(np.float32)
-    if outlier:
-        w[0, 7, 11] = 300.0  # most blocks then sit far below the matrix amax: clamped scales
-    host = nvfp4.quantize(w)
-    placed = jax.device_put(w, jax.devices(device)[0])
-    traced = jax.jit(nvfp4.quantize)(placed)
-    assert traced.packed.devices() == {jax.devices(device)[0]}
-    np.testing.assert_array_equal(np.asarray(traced.global_scale), np.asarray(host.global_scale))
-    np.testing.assert_array_equal(np.asarray(traced.scales).view(np.uint8), np.asarray(host.scales).view(np.uint8))
-    mismatched = int(np.count_nonzero(np.asarray(traced.packed) != np.asarray(host.packed)))
-    assert mismatched == 0, f"{mismatched} of {host.packed.size} packed bytes differ from the host's"

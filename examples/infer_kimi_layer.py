@@ -30,17 +30,11 @@ import numpy as np
 
 import moe_jax
 import sharding
+from moe_jax.cli import positive_int
 
 #: A layer small enough for a CPU: the Kimi K2 router rule at 1/12 of its width.
 REDUCED = dict(num_experts=64, top_k=8, hidden_size=512, expert_intermediate_size=256)
 REFERENCE_TOKENS = 8
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}, expected an integer >= 1")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=moe_jax.MoEConfig.PRESETS, default="kimi_k2",
                         help="the layer's shape without --checkpoint")
     parser.add_argument("--reduced", action="store_true", help=f"a reduced layer ({REDUCED}) for CPUs")
-    parser.add_argument("--tokens", type=_positive, nargs="+", default=[32, 8192], help="token counts to time")
-    parser.add_argument("--devices", type=_positive, help="devices for expert parallelism (default: all)")
-    parser.add_argument("--iters", type=_positive, default=10, help="calls per timed window (5 windows)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[32, 8192], help="token counts to time")
+    parser.add_argument("--devices", type=positive_int, help="devices for expert parallelism (default: all)")
+    parser.add_argument("--iters", type=positive_int, default=10, help="calls per timed window (5 windows)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != (args.layer is None):

@@ -39,7 +39,7 @@ def test_inference_example_from_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tokens", "0"], "argument --tokens: 0, expected an integer >= 1"),
+    (["--tokens", "0"], "argument --tokens: 0, expected an int >= 1"),
     (["--devices", "99"], "--devices: 99, but only 8 devices are visible"),
     (["--layer", "3"], "--checkpoint and --layer go together"),
     (["--checkpoint", "/nonexistent", "--layer", "1"], "--checkpoint: /nonexistent is not a directory"),

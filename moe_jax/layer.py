@@ -108,8 +108,10 @@ def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -
 
     def abstract(shape, fmt):
         match fmt:
-            case "float32" | "bf16":
-                return jax.ShapeDtypeStruct(shape, jnp.float32 if fmt == "float32" else jnp.bfloat16)
+            case "float32":
+                return jax.ShapeDtypeStruct(shape, jnp.float32)
+            case "bf16":
+                return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
             case "nvfp4":
                 *lead, n, k = shape
                 return nvfp4.NVFP4Tensor(packed=jax.ShapeDtypeStruct((*lead, n, k // 2), jnp.uint8),

@@ -5,6 +5,13 @@ Public API::
     grouped_matmul(x_mk, w, group_sizes_e, *, compute_capability, interpret=False, out=None)
     gate_up_swiglu(x_mk, w_gate_up, group_sizes_e, *, compute_capability, interpret=False, out=None)
 
+and the two products a backward pass needs (``moe_jax.experts`` builds the expert MLP's VJP
+from them)::
+
+    grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability, interpret=False)
+    grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability, interpret=False,
+                               out_dtype=jnp.float32)
+
 * ``x_mk``: bf16 ``[M, K]``, rows sorted by expert; rows at or past ``sum(group_sizes_e)`` are
   padding and their outputs are left unwritten.
 * ``w``: bf16 ``[E, N, K]`` (out, in), or NVFP4 in NVIDIA ModelOpt's row-major layout as any
@@ -25,7 +32,9 @@ Public API::
 Both return bf16 (``[M, N]`` and ``[M, F]``), accumulate in fp32 and raise ValueError naming
 the argument for a bad shape, dtype or capability.
 
-Constraints: K a multiple of 64; N (for the fused op, F) a multiple of 16.
+Constraints: K a multiple of 64; N (for the fused op, F) a multiple of 16. For the input
+gradient the reduction is the weight's N (a multiple of 64) and the output its K; for the
+weight gradient N and K are multiples of 16.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["gate_up_swiglu", "grouped_matmul", "run"]
+__all__ = ["gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "run"]
 
 K_MULTIPLE = 64
 N_MULTIPLE = 16
@@ -63,9 +72,80 @@ def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e, *, compute_capability: int, i
                interpret=interpret, out=out)
 
 
-def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[WeightFormat, tuple, int, int]:
-    """Validates ``w``; returns its format, the kernel's weight operands, N and the global
-    scales per expert (1; or 2, gate's and up's, for the fused op)."""
+def grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool = False,
+                              out=None) -> jax.Array:
+    """bf16 ``[M, K]``: row ``m`` of expert ``e`` times ``W_e`` (not transposed): the gradient of
+    :func:`grouped_matmul` with respect to ``x``, for ``dy_mn`` bf16 ``[M, N]``.
+
+    ``w`` is the forward's ``[E, N, K]`` weight, read as stored (NVFP4 dequantized in the
+    kernel, no transposed or dequantized copy). Its global scale must be ``[E]``: a fused
+    gate/up weight with gate's and up's own scales is passed with the scales folded into
+    ``dy_mn`` instead (``moe_jax.experts`` does).
+    """
+    return run(Op.MATMUL, dy_mn, w, group_sizes_e, compute_capability=compute_capability, interpret=interpret,
+               out=out, transpose_w=True)
+
+
+def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, interpret: bool = False,
+                               out_dtype=jnp.float32, out=None, check_bounds: bool = False):
+    """``[E, N, K]`` in ``out_dtype``: per expert ``dy_e^T @ x_e`` over its rows, the gradient of
+    :func:`grouped_matmul` with respect to a dense ``w`` (accumulated in fp32).
+
+    Args:
+      x_mk: bf16 ``[M, K]``, the forward's input rows.
+      dy_mn: bf16 ``[M, N]``, the output cotangent.
+      group_sizes_e: int32 ``[E]``; rows past the sum (padding) do not contribute, and an
+        expert without rows gets zeros.
+      compute_capability: picks the tile (:data:`.tuning.WEIGHT_GRAD_TILES`).
+      interpret: Pallas interpret mode.
+      out_dtype: float32 or bfloat16.
+      out: optional ``[E, N, K]`` buffer of ``out_dtype`` aliased into the output (every element
+        is written: experts without rows get zeros).
+      check_bounds: as for :func:`run`; the call then returns ``(dw, count)``.
+    """
+    tuning.check_capability(compute_capability)
+    for name, a in (("x_mk", x_mk), ("dy_mn", dy_mn)):
+        if np.dtype(a.dtype) != np.dtype(jnp.bfloat16) or a.ndim != 2 or a.shape[1] % N_MULTIPLE or not a.shape[1]:
+            raise ValueError(f"{name}: {a.dtype}{list(a.shape)}, expected bfloat16 [M, C] with C a positive "
+                             f"multiple of {N_MULTIPLE}")
+    if dy_mn.shape[0] != x_mk.shape[0]:
+        raise ValueError(f"dy_mn: {dy_mn.shape[0]} rows, expected M={x_mk.shape[0]} (x_mk)")
+    _check_group_sizes(group_sizes_e)
+    if np.dtype(out_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"out_dtype: {np.dtype(out_dtype).name}, expected float32 or bfloat16")
+    if check_bounds and not interpret:
+        raise ValueError("check_bounds: True, expected interpret=True (it instruments the interpreted kernel)")
+    (m, k), n, e = x_mk.shape, dy_mn.shape[1], group_sizes_e.shape[0]
+    if out is not None and (tuple(out.shape) != (e, n, k) or np.dtype(out.dtype) != np.dtype(out_dtype)):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected {np.dtype(out_dtype).name} {[e, n, k]}")
+    if m == 0:
+        zeros = jnp.zeros((e, n, k), out_dtype)
+        return (zeros, jnp.zeros((1,), jnp.int32)) if check_bounds else zeros
+    config = tuning.WEIGHT_GRAD_TILES[compute_capability]
+    spec = triton_backend.WeightGradSpec(
+        config=config, num_experts=e, num_rows=m, n=n, k=k, block_n=tuning.fit_block(config.block_n, n, N_MULTIPLE),
+        block_k=tuning.fit_block(config.block_k, k, N_MULTIPLE), out_dtype=np.dtype(out_dtype),
+        check_bounds=check_bounds,
+    )
+    return _weight_grad_jit(spec, interpret, x_mk, dy_mn, group_sizes_e, out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _weight_grad_jit(spec, interpret, x_mk, dy_mn, group_sizes_e, out):
+    bounds = triton_backend.group_bounds(group_sizes_e, num_rows=spec.num_rows)
+    return triton_backend.launch_weight_grad(spec, bounds, x_mk, dy_mn, out, interpret=interpret)
+
+
+def _check_group_sizes(group_sizes_e) -> None:
+    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
+        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
+
+
+def _weight_format(w, name: str, op: Op, num_experts: int, k: int,
+                   transpose_w: bool = False) -> tuple[WeightFormat, tuple, int, int]:
+    """Validates ``w``; returns its format, the kernel's weight operands, the output width N
+    (the weight's rows; its columns when ``transpose_w``) and the global scales per expert
+    (1; or 2, gate's and up's, for the fused op)."""
     if all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
         packed, scales, global_scale = w.packed, w.scales, w.global_scale
         checks = (("packed", packed, np.uint8, (3,)), ("scales", scales, _FLOAT8_E4M3FN, (3,)),
@@ -74,7 +154,6 @@ def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[Weig
             if np.dtype(array.dtype) != dtype or array.ndim not in ranks:
                 raise ValueError(f"{name}.{field}: {array.dtype}{list(array.shape)}, expected "
                                  f"{np.dtype(dtype).name} of rank {' or '.join(map(str, ranks))}")
-        e, n, k_half = packed.shape
         match op:
             case Op.MATMUL:
                 scale_shapes = ((num_experts,),)
@@ -82,11 +161,18 @@ def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[Weig
                 scale_shapes = ((num_experts,), (num_experts, 2))
             case _:
                 assert_never(op)
-        expected = {"packed": (num_experts, n, k // 2), "scales": (num_experts, n, k // 16)}
+        if transpose_w:
+            n = packed.shape[2] * 2
+            expected = {"packed": (num_experts, k, n // 2), "scales": (num_experts, k, n // 16)}
+            dims = f"N={k} (dy_mn) and K={n}"
+        else:
+            n = packed.shape[1]
+            expected = {"packed": (num_experts, n, k // 2), "scales": (num_experts, n, k // 16)}
+            dims = f"K={k} (x_mk) and N={n}"
         for field, array in (("packed", packed), ("scales", scales)):
             if tuple(array.shape) != expected[field]:
                 raise ValueError(f"{name}.{field}: shape {tuple(array.shape)}, expected {expected[field]} "
-                                 f"for E={num_experts} experts (group_sizes_e), K={k} (x_mk) and N={n}")
+                                 f"for E={num_experts} experts (group_sizes_e), {dims}")
         if tuple(global_scale.shape) not in scale_shapes:
             raise ValueError(f"{name}.global_scale: shape {tuple(global_scale.shape)}, expected "
                              f"{' or '.join(map(str, scale_shapes))} for E={num_experts} experts (group_sizes_e): "
@@ -99,6 +185,11 @@ def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[Weig
                          "(.packed, .scales, .global_scale)")
     if np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.ndim != 3:
         raise ValueError(f"{name}: {w.dtype}{list(w.shape)}, expected bfloat16 [E, N, K]")
+    if transpose_w:
+        if w.shape[0] != num_experts or w.shape[1] != k:
+            raise ValueError(f"{name}: shape {tuple(w.shape)}, expected [E={num_experts} (group_sizes_e), "
+                             f"N={k} (dy_mn), K]")
+        return WeightFormat.BF16, (w,), w.shape[2], 1
     if w.shape[0] != num_experts or w.shape[2] != k:
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected [E={num_experts} (group_sizes_e), N, "
                          f"K={k} (x_mk)]")
@@ -107,28 +198,33 @@ def _weight_format(w, name: str, op: Op, num_experts: int, k: int) -> tuple[Weig
 
 def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool = False, out=None,
         config: TileConfig | None = None, variant: Variant | None = None,
-        dequant: Dequant | None = None, check_bounds: bool = False):
+        dequant: Dequant | None = None, check_bounds: bool = False, transpose_w: bool = False):
     """The shared entry of both public functions.
 
     ``config``/``variant`` override the tile table (benchmark sweeps) and ``dequant`` the
     formulation (tests comparing the two on a GPU); left as None, the table, the heuristic
-    and ``PTX`` (``EXACT`` under ``interpret``) decide.
+    and ``PTX`` (``EXACT`` under ``interpret`` and for ``transpose_w``) decide.
 
     ``check_bounds`` (with ``interpret`` only) makes the kernel count every load and store
     lane whose index falls outside its buffer, which the interpreter would otherwise clamp
     silently; the call then returns ``(out, out_of_bounds)``, the count an int32 ``[1]``.
+
+    ``transpose_w`` (``Op.MATMUL`` only) computes ``x @ W_e`` with ``w`` ``[E, K, N]`` as
+    stored (:func:`grouped_matmul_input_grad`), using the matmul's tile table entry.
     """
     weight_name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
+    if transpose_w and op is not Op.MATMUL:
+        raise ValueError(f"transpose_w: True, expected op {Op.MATMUL.value}, found {op.value}")
     tuning.check_capability(compute_capability)
+    x_name = "dy_mn" if transpose_w else "x_mk"
     if np.dtype(x_mk.dtype) != np.dtype(jnp.bfloat16) or x_mk.ndim != 2:
-        raise ValueError(f"x_mk: {x_mk.dtype}{list(x_mk.shape)}, expected bfloat16 [M, K]")
+        raise ValueError(f"{x_name}: {x_mk.dtype}{list(x_mk.shape)}, expected bfloat16 [M, K]")
     m, k = x_mk.shape
     if k % K_MULTIPLE or k == 0:
-        raise ValueError(f"x_mk: K={k}, expected a positive multiple of {K_MULTIPLE}")
-    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
-        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
+        raise ValueError(f"{x_name}: {'N' if transpose_w else 'K'}={k}, expected a positive multiple of {K_MULTIPLE}")
+    _check_group_sizes(group_sizes_e)
     num_experts = group_sizes_e.shape[0]
-    weights, weight_arrays, n, scale_groups = _weight_format(w, weight_name, op, num_experts, k)
+    weights, weight_arrays, n, scale_groups = _weight_format(w, weight_name, op, num_experts, k, transpose_w)
     match op:
         case Op.MATMUL:
             n_out = n
@@ -154,13 +250,16 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
     if config is None:
         config = tuning.TILE_TABLE[compute_capability][(variant, weights, op)]
     if dequant is None:
-        dequant = Dequant.EXACT if interpret else Dequant.PTX
+        # The PTX formulation is right only in fragment order: on an H200 it gave a relative
+        # error of 1.0 for the transposed (memory-order) tile, where EXACT gave 1.7e-3
+        # (benchmarks/NOTES.md, "Kernel VJPs"), so the input gradient dequantizes with EXACT.
+        dequant = Dequant.EXACT if interpret or transpose_w else Dequant.PTX
     spec = triton_backend.KernelSpec(
         variant=variant, weights=weights, op=op, dequant=dequant, config=config, num_rows=m, k=k, n_out=n_out,
         block_k=tuning.fit_block(config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
         max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
-        scale_groups=scale_groups, check_bounds=check_bounds,
+        scale_groups=scale_groups, check_bounds=check_bounds, transpose_w=transpose_w,
     )
     return _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out)
 

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import crosscompile
-from pallas_kernels.grouped_matmul import run
+from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, run
 from pallas_kernels.grouped_matmul.tuning import (
     SHARED_MEMORY_BYTES,
     TILE_TABLE,
+    WEIGHT_GRAD_TILES,
     Key,
     Op,
     Variant,
@@ -83,8 +84,53 @@ def compile_config(capability: int, key: Key) -> Record:
     )
 
 
+#: The backward kernels compiled per capability: the input gradient of the down projection
+#: (``dy [M, H] @ W_e [H, F]``, the matmul's tile entry, transposed) in each variant and format,
+#: and the weight gradient of the gate/up projection (``[E, 2F, H]`` float32).
+BACKWARD_KERNELS = (
+    *(("input_grad", variant, weights) for variant in Variant for weights in WeightFormat),
+    ("weight_grad", Variant.PREFILL, WeightFormat.BF16),
+)
+
+
+def compile_backward(capability: int, kernel: str, variant: Variant, weights: WeightFormat) -> Record:
+    """Lowers and compiles one of :data:`BACKWARD_KERNELS` at the Kimi K2 shape."""
+    m = ROWS[variant]
+    s = jax.ShapeDtypeStruct
+    group_sizes = s((EXPERTS,), jnp.int32)
+    match kernel:
+        case "input_grad":
+            config = TILE_TABLE[capability][(variant, weights, Op.MATMUL)]
+
+            def fn(dy, w, group_sizes):
+                if isinstance(w, tuple):
+                    w = types.SimpleNamespace(packed=w[0], scales=w[1], global_scale=w[2])
+                return run(Op.MATMUL, dy, w, group_sizes, compute_capability=capability, variant=variant,
+                           transpose_w=True)
+
+            args = (s((m, HIDDEN), jnp.bfloat16), _abstract_weights(weights, HIDDEN, INTERMEDIATE), group_sizes)
+        case "weight_grad":
+            config = WEIGHT_GRAD_TILES[capability]
+
+            def fn(x, dy, group_sizes):
+                return grouped_matmul_weight_grad(x, dy, group_sizes, compute_capability=capability)
+
+            args = (s((m, HIDDEN), jnp.bfloat16), s((m, 2 * INTERMEDIATE), jnp.bfloat16), group_sizes)
+        case _:
+            raise ValueError(f"kernel: {kernel!r}, expected 'input_grad' or 'weight_grad'")
+    [module] = crosscompile.triton_modules(fn, *args, capability=capability)
+    compiled = crosscompile.compile_ttir(module, capability)
+    return Record(
+        capability=capability, variant=variant.value, weights=weights.value, op=kernel,
+        block_m=config.block_m, block_n=config.block_n, block_k=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, target=compiled.target, shared_bytes=compiled.shared_bytes,
+        shared_limit=SHARED_MEMORY_BYTES[capability], registers=compiled.registers,
+        spill_bytes=compiled.spill_bytes, mma=compiled.mma_instructions,
+    )
+
+
 def table_keys(capability: int) -> list[Key]:
     return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
 
 
-__all__ = ["Record", "compile_config", "table_keys", "Op"]
+__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "table_keys", "Op"]

@@ -55,11 +55,8 @@ def grouped_matmul(x_mk, w, group_sizes_e) -> np.ndarray:
     w_enk = dense_weights(w)
     rows = valid_rows(group_sizes_e, x.shape[0])
     out = np.zeros((rows, w_enk.shape[1]))
-    start = 0
-    for e, size in enumerate(np.maximum(np.asarray(group_sizes_e), 0)):
-        end = min(start + int(size), rows)
+    for e, start, end in _groups(group_sizes_e, rows):
         out[start:end] = x[start:end] @ w_enk[e].T
-        start = end
     return out
 
 
@@ -68,3 +65,34 @@ def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e) -> np.ndarray:
     h = grouped_matmul(x_mk, w_gate_up, group_sizes_e)
     gate, up = np.split(h, 2, axis=-1)
     return gate / (1.0 + np.exp(-gate)) * up
+
+
+def _groups(group_sizes_e, rows: int):
+    """``(e, start, end)`` of each expert's defined rows."""
+    start = 0
+    for e, size in enumerate(np.maximum(np.asarray(group_sizes_e), 0)):
+        end = min(start + int(size), rows)
+        yield e, start, end
+        start = end
+
+
+def grouped_matmul_input_grad(dy_mn, w, group_sizes_e) -> np.ndarray:
+    """float64 ``[S, K]``: row ``m`` of expert ``e`` times ``W_e`` (the gradient with respect to x)."""
+    dy = np.asarray(dy_mn).astype(np.float64)
+    w_enk = dense_weights(w)
+    rows = valid_rows(group_sizes_e, dy.shape[0])
+    out = np.zeros((rows, w_enk.shape[2]))
+    for e, start, end in _groups(group_sizes_e, rows):
+        out[start:end] = dy[start:end] @ w_enk[e]
+    return out
+
+
+def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e) -> np.ndarray:
+    """float64 ``[E, N, K]``: per expert ``dy_e^T @ x_e`` over its defined rows (zeros without rows)."""
+    x = np.asarray(x_mk).astype(np.float64)
+    dy = np.asarray(dy_mn).astype(np.float64)
+    rows = valid_rows(group_sizes_e, x.shape[0])
+    out = np.zeros((len(np.asarray(group_sizes_e)), dy.shape[1], x.shape[1]))
+    for e, start, end in _groups(group_sizes_e, rows):
+        out[e] = dy[start:end].T @ x[start:end]
+    return out

@@ -66,7 +66,7 @@ class KernelSpec:
     config: TileConfig
     num_rows: int
     k: int
-    n_out: int  # Output columns: n for MATMUL, f for GATE_UP_SWIGLU.
+    n_out: int  # Output columns: n for MATMUL, f for GATE_UP_SWIGLU; the weight's K when transposed.
     block_k: int
     block_n: int
     max_tiles: int
@@ -74,8 +74,13 @@ class KernelSpec:
     # NVFP4 global scales per expert: 1 (``[E]``), or 2 (``[E, 2]``: gate's and up's, fused op only).
     scale_groups: int = 1
     check_bounds: bool = False  # Count out-of-range accesses (interpret mode only; see _Memory).
+    # ``x @ W_e`` instead of ``x @ W_e^T`` (MATMUL only): the input gradient of the forward
+    # matmul, reading the weights as stored. ``k`` is then the weight's N and ``n_out`` its K.
+    transpose_w: bool = False
 
     def __post_init__(self):
+        if self.transpose_w and self.op is not Op.MATMUL:
+            raise ValueError(f"KernelSpec.transpose_w: True, expected op {Op.MATMUL.value}, found {self.op.value}")
         allowed = (1, 2) if self.weights is WeightFormat.NVFP4 and self.op is Op.GATE_UP_SWIGLU else (1,)
         if self.scale_groups not in allowed:
             raise ValueError(f"KernelSpec.scale_groups: {self.scale_groups}, expected one of {allowed} for "
@@ -107,8 +112,14 @@ class KernelSpec:
 
     @property
     def order(self) -> Order:
-        """The column order of dequantized NVFP4 tiles, and of ``x`` (bf16 keeps memory order)."""
-        return Order.FRAGMENT if self.weights is WeightFormat.NVFP4 else Order.MODELOPT
+        """The column order of dequantized NVFP4 tiles, and of ``x`` (bf16 keeps memory order).
+
+        Transposed, the packed dimension is the output's, not the reduction's, so the tile keeps
+        memory order and ``x`` is not permuted.
+        """
+        if self.weights is WeightFormat.NVFP4 and not self.transpose_w:
+            return Order.FRAGMENT
+        return Order.MODELOPT
 
 
 def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -133,9 +144,7 @@ def tile_schedule(group_sizes_e: jax.Array, *, num_rows: int, block_m: int, num_
       the first row, and the end of that expert's rows (exclusive). Unused slots have
       ``start == end == 0``.
     """
-    sizes_e = jnp.maximum(group_sizes_e.astype(jnp.int32), 0)
-    ends_e = jnp.minimum(jnp.cumsum(sizes_e), num_rows)
-    starts_e = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_e[:-1]])
+    starts_e, ends_e = group_bounds(group_sizes_e, num_rows=num_rows)
     tiles_e = (ends_e - starts_e + block_m - 1) // block_m
     tile_ends_e = jnp.cumsum(tiles_e)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -358,20 +367,32 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
     n_start = pl.multiple_of(j * bn, bn)
     halves = (0, spec.n_out) if spec.op is Op.GATE_UP_SWIGLU else (0,)
 
-    def load_scales(row0, i):
-        k_blocks = pl.multiple_of(i * (bk // _BLOCK), bk // _BLOCK)
-        return memory.read(weight_refs[1], expert, pl.ds(row0, bn), pl.ds(k_blocks, bk // _BLOCK))
+    def weight_tile(half, i):
+        """(row start, rows, column-tile index, columns) of the weight tile of K step ``i``.
 
-    def load_weight(row0, i, scales):
-        # Offsets as i * width (not k0 // 2): Triton cannot see the alignment of a floor division.
+        Forward, rows are output columns and columns the reduction; transposed, the reverse.
+        Column offsets are formed as index * width (not start // 2): Triton cannot see the
+        alignment of a floor division.
+        """
+        if spec.transpose_w:
+            return pl.multiple_of(i * bk, bk), bk, j, bn
+        return n_start + half, bn, i, bk
+
+    def load_scales(half, i):
+        row0, rows, c, cols = weight_tile(half, i)
+        k_blocks = pl.multiple_of(c * (cols // _BLOCK), cols // _BLOCK)
+        return memory.read(weight_refs[1], expert, pl.ds(row0, rows), pl.ds(k_blocks, cols // _BLOCK))
+
+    def load_weight(half, i, scales):
+        row0, rows, c, cols = weight_tile(half, i)
         match spec.weights:
             case WeightFormat.BF16:
-                return memory.read(weight_refs[0], expert, pl.ds(row0, bn), pl.ds(pl.multiple_of(i * bk, bk), bk))
+                return memory.read(weight_refs[0], expert, pl.ds(row0, rows), pl.ds(pl.multiple_of(c * cols, cols), cols))
             case WeightFormat.NVFP4:
-                k_bytes = pl.multiple_of(i * (bk // 2), bk // 2)
-                packed = memory.read(weight_refs[0], expert, pl.ds(row0, bn), pl.ds(k_bytes, bk // 2))
+                k_bytes = pl.multiple_of(c * (cols // 2), cols // 2)
+                packed = memory.read(weight_refs[0], expert, pl.ds(row0, rows), pl.ds(k_bytes, cols // 2))
                 if scales is None:  # Not loaded first (KernelSpec.scales_first).
-                    scales = load_scales(row0, i)
+                    scales = load_scales(half, i)
                 return dequantize_tile(packed, scales, spec.dequant, spec.order)
             case _:
                 assert_never(spec.weights)
@@ -382,14 +403,15 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         acc_shape = (bn, bm) if spec.swap_ab else (bm, bn)
 
         def body(i, accs):
-            scales = [load_scales(n_start + half, i) if spec.scales_first else None for half in halves]
+            scales = [load_scales(half, i) if spec.scales_first else None for half in halves]
             k0 = pl.multiple_of(i * bk, bk)
             x_mk = memory.read(x_ref, pl.ds(row_start, bm), pl.ds(k0, bk), mask=row_ok_m[:, None], other=0.0)
             new = []
             for acc, half, scales_nb in zip(accs, halves, scales):
-                w_nk = load_weight(n_start + half, i, scales_nb)
-                lhs, rhs = (w_nk, x_mk) if spec.swap_ab else (x_mk, w_nk)
-                new.append(acc + jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
+                w_tile = load_weight(half, i, scales_nb)  # [bn, bk], or [bk, bn] transposed
+                w_k = 0 if spec.transpose_w else 1  # the tile's reduction axis
+                lhs, rhs, dims = (w_tile, x_mk, (w_k, 1)) if spec.swap_ab else (x_mk, w_tile, (1, w_k))
+                new.append(acc + jax.lax.dot_general(lhs, rhs, (((dims[0],), (dims[1],)), ((), ())),
                                                      preferred_element_type=jnp.float32))
             return tuple(new)
 
@@ -445,6 +467,7 @@ def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret
       x_mk: bf16 ``[M, K]``.
       weight_arrays: ``(w_enk,)`` bf16, or ``(packed_enj uint8, scales_enb uint8, global_scale
         float32)``, the global scale ``[E]`` or, with ``spec.scale_groups == 2``, ``[E, 2]``.
+        Transposed (``spec.transpose_w``), the weights are ``[E, K, n_out]`` (as stored).
       out_mn: None, or a bf16 ``[M, n_out]`` buffer aliased to the output.
       interpret: run in Pallas interpret mode.
 
@@ -452,31 +475,120 @@ def launch(spec: KernelSpec, schedule, x_mk, weight_arrays, out_mn, *, interpret
       bf16 ``[M, n_out]``; with ``spec.check_bounds``, also the int32 ``[1]`` count of accesses
       outside their buffers (:class:`_Memory`).
     """
-    if spec.check_bounds and not interpret:
+    op = f"{spec.op.value}_input_grad" if spec.transpose_w else spec.op.value
+    return _call(
+        functools.partial(_kernel, spec=spec), (*schedule, x_mk, *weight_arrays), (spec.num_rows, spec.n_out),
+        jnp.bfloat16, out=out_mn, num_programs=spec.max_tiles * (spec.n_out // spec.block_n), config=spec.config,
+        name=f"grouped_{op}_{spec.weights.value}_{spec.variant.value}", interpret=interpret,
+        check_bounds=spec.check_bounds,
+    )
+
+
+def _call(kernel, operands, out_shape, out_dtype, *, out, num_programs: int, config: TileConfig, name: str,
+          interpret: bool, check_bounds: bool):
+    """One ``pallas_call`` on a 1-D grid: the output (aliased to ``out`` when given), typed
+    for ``shard_map``, and the out-of-bounds count when ``check_bounds``."""
+    if check_bounds and not interpret:
         raise ValueError("check_bounds: True needs interpret=True (the count is an interpreter check)")
-    operands = (*schedule, x_mk, *weight_arrays)
-    out_shapes = [((spec.num_rows, spec.n_out), jnp.bfloat16)]
+    out_shapes = [(out_shape, out_dtype)]
     aliases = {}
-    if out_mn is not None:
+    if out is not None:
         aliases[len(operands)] = 0
-        operands = (*operands, out_mn)
-    if spec.check_bounds:
+        operands = (*operands, out)
+    if check_bounds:
         aliases[len(operands)] = 1  # The count starts at zero.
         operands = (*operands, jnp.zeros((1,), jnp.int32))
         out_shapes.append(((1,), jnp.int32))
-    num_programs = spec.max_tiles * (spec.n_out // spec.block_n)
-    name = f"grouped_{spec.op.value}_{spec.weights.value}_{spec.variant.value}"
     operands, varying = _same_varying_axes(operands)
     manual = jax.sharding.ManualAxisType(varying=varying)
     call = pl.pallas_call(
-        functools.partial(_kernel, spec=spec),
+        kernel,
         out_shape=[jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual) for shape, dtype in out_shapes],
         grid=(num_programs,),
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=spec.config.num_warps, num_stages=spec.config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=name,
     )
     with jax.named_scope(name):
         outs = call(*operands)
-    return tuple(outs) if spec.check_bounds else outs[0]
+    return tuple(outs) if check_bounds else outs[0]
+
+
+# --- the weight gradient -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightGradSpec:
+    """Everything static about one weight-gradient launch (hashable).
+
+    ``config.block_m`` is the rows per reduction step, ``block_n``/``block_k`` the output tile.
+    """
+
+    config: TileConfig
+    num_experts: int
+    num_rows: int
+    n: int
+    k: int
+    block_n: int
+    block_k: int
+    out_dtype: jnp.dtype
+    check_bounds: bool = False
+
+
+def group_bounds(group_sizes_e: jax.Array, *, num_rows: int):
+    """``(starts_e, ends_e)`` int32 ``[E]``: each expert's rows, read as in :func:`tile_schedule`
+    (``max(g, 0)``, cut off at ``num_rows``), so no row index can leave ``x``."""
+    sizes_e = jnp.maximum(group_sizes_e.astype(jnp.int32), 0)
+    ends_e = jnp.minimum(jnp.cumsum(sizes_e), num_rows)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_e[:-1]]), ends_e
+
+
+def _weight_grad_kernel(starts_ref, ends_ref, x_ref, dy_ref, *refs, spec: WeightGradSpec):
+    out_ref, count_ref = (refs[-2], refs[-1]) if spec.check_bounds else (refs[-1], None)
+    memory = _Memory(count_ref)
+    bm, bn, bk = spec.config.block_m, spec.block_n, spec.block_k
+    n_tiles, k_tiles = spec.n // bn, spec.k // bk
+    pid = pl.program_id(0)
+    # Experts outermost: the programs of one expert run together and share its rows in L2.
+    expert, tile = pid // (n_tiles * k_tiles), pid % (n_tiles * k_tiles)
+    n_start = pl.multiple_of((tile // k_tiles) * bn, bn)
+    k_start = pl.multiple_of((tile % k_tiles) * bk, bk)
+    row_start, row_end = memory.read(starts_ref, expert), memory.read(ends_ref, expert)
+
+    def body(i, acc_nk):
+        rows = row_start + i * bm
+        row_ok_m = rows + jnp.arange(bm, dtype=jnp.int32) < row_end
+        dy_mn = memory.read(dy_ref, pl.ds(rows, bm), pl.ds(n_start, bn), mask=row_ok_m[:, None], other=0.0)
+        x_mk = memory.read(x_ref, pl.ds(rows, bm), pl.ds(k_start, bk), mask=row_ok_m[:, None], other=0.0)
+        return acc_nk + jax.lax.dot_general(dy_mn, x_mk, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    # An expert without rows gets zeros: its gradient, and every output element is written.
+    steps = (row_end - row_start + bm - 1) // bm
+    acc_nk = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bk), jnp.float32))
+    memory.write(out_ref, expert, pl.ds(n_start, bn), pl.ds(k_start, bk), value=acc_nk.astype(out_ref.dtype),
+                 mask=None)
+
+
+def launch_weight_grad(spec: WeightGradSpec, bounds, x_mk, dy_mn, out_enk, *, interpret: bool):
+    """``dW [E, N, K]``: per expert ``dy_e^T @ x_e`` over its rows (:func:`group_bounds`).
+
+    Args:
+      spec: the static description.
+      bounds: :func:`group_bounds`'s ``(starts_e, ends_e)``.
+      x_mk: bf16 ``[M, K]``, the forward input.
+      dy_mn: bf16 ``[M, N]``, the output cotangent.
+      out_enk: None, or a ``[E, N, K]`` buffer of ``spec.out_dtype`` aliased to the output.
+      interpret: run in Pallas interpret mode.
+
+    Returns:
+      ``spec.out_dtype`` ``[E, N, K]``, accumulated in fp32; with ``spec.check_bounds`` also
+      the out-of-bounds count.
+    """
+    return _call(
+        functools.partial(_weight_grad_kernel, spec=spec), (*bounds, x_mk, dy_mn), (spec.num_experts, spec.n, spec.k),
+        spec.out_dtype, out=out_enk,
+        num_programs=spec.num_experts * (spec.n // spec.block_n) * (spec.k // spec.block_k), config=spec.config,
+        name=f"grouped_weight_grad_{jnp.dtype(spec.out_dtype).name}", interpret=interpret,
+        check_bounds=spec.check_bounds,
+    )

@@ -154,6 +154,22 @@ TILE_TABLE: dict[int, dict[Key, TileConfig]] = {
 }
 
 
+# The weight gradient ``dW_e = dy_e^T x_e``: block_m rows per reduction step, a block_n x block_k
+# output tile (its fp32 accumulator). Sized to shared memory like the rows above, not swept.
+WEIGHT_GRAD_TILES: dict[int, TileConfig] = {
+    80: _prefill(64, 128, 128, 8, 3, group_t=1),
+    89: _prefill(32, 64, 128, 4, 3, group_t=1),
+    90: _prefill(64, 128, 128, 8, 3, group_t=1),
+    100: _prefill(64, 128, 128, 8, 3, group_t=1),
+    120: _prefill(32, 64, 128, 4, 3, group_t=1),
+}
+
+
+def weight_grad_shared_memory(config: TileConfig) -> int:
+    """Bytes of the ``dy`` and ``x`` row tiles the weight-gradient pipeline holds in flight."""
+    return config.num_stages * config.block_m * (config.block_n + config.block_k) * 2
+
+
 def check_capability(compute_capability: int) -> None:
     """Raises ValueError naming ``compute_capability`` if the table has no row for it."""
     if compute_capability not in TILE_TABLE:

@@ -31,3 +31,17 @@ def test_table_entry_compiles_and_fits(capability, key):
     assert any(m.startswith(MMA_PREFIX[capability]) for m in record.mma), record.mma
     assert 0 < record.shared_bytes <= record.shared_limit, record
     assert 0 < record.registers <= 255, record
+
+
+@pytest.mark.parametrize(
+    "capability, kernel",
+    [(cc, kernel) for cc in (120, 100) for kernel in crosscompile.BACKWARD_KERNELS],
+    ids=lambda p: p if isinstance(p, int) else "-".join(getattr(part, "value", part) for part in p),
+)
+def test_backward_kernel_compiles_and_fits(capability, kernel):
+    """The training kernels (input and weight gradients) for SM120 and SM100, as above."""
+    record = crosscompile.compile_backward(capability, *kernel)
+    assert record.target == f"sm_{capability}a"
+    assert any(m.startswith(MMA_PREFIX[capability]) for m in record.mma), record.mma
+    assert 0 < record.shared_bytes <= record.shared_limit, record
+    assert 0 < record.registers <= 255 and record.spill_bytes == 0, record

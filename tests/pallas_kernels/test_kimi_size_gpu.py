@@ -47,7 +47,13 @@ import pytest
 from device_arrays import perturb_allocator, random_on_device
 
 from moe_jax.nvfp4 import NVFP4Tensor
-from pallas_kernels.grouped_matmul import gate_up_swiglu, grouped_matmul, reference
+from pallas_kernels.grouped_matmul import (
+    gate_up_swiglu,
+    grouped_matmul,
+    grouped_matmul_input_grad,
+    grouped_matmul_weight_grad,
+    reference,
+)
 
 E, H, F = 384, 7168, 2048
 BLOCKS = ((0, 8), (144, 152), (288, 296), (376, 384))  # [first, last + 1) expert of each block
@@ -120,15 +126,34 @@ def expert_reference(op: str, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("op", list(OPS))
 def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op, fmt):
     kernel, n, k, n_out = OPS[op]
+    _check_top_experts(rng, record_property, f"{op} {fmt}", kernel, fmt, (n, k), k, n_out,
+                       lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_kimi_size_input_grad_top_experts_match_float64_reference(rng, record_property, op, fmt):
+    """The backward pass's ``dy @ W_e``, reading the same stored weights (NVFP4 down codes past
+    2**31 bytes) in the transposed direction."""
+    _, n, k, _ = OPS[op]
+    _check_top_experts(rng, record_property, f"{op} input_grad {fmt}", grouped_matmul_input_grad, fmt, (n, k), n, k,
+                       lambda dy_mn, w_nk: dy_mn @ w_nk)
+
+
+def _check_top_experts(rng, record_property, label: str, kernel, fmt: str, w_shape, x_cols: int, n_out: int,
+                       expert_fn):
+    """Runs ``kernel(x [m, x_cols], w [E, *w_shape], sizes) -> [m, n_out]`` over every routing of
+    :func:`patterns` and checks the top expert blocks against ``expert_fn(x_rows, w_nk)``."""
     cc = _capability()
     perturb_allocator()
     key = jax.random.key(int(rng.integers(1 << 31)))
-    w = random_weights(jax.random.fold_in(key, 0), fmt, n, k)
+    w = random_weights(jax.random.fold_in(key, 0), fmt, *w_shape)
 
     # Run every routing, keep inputs and outputs on the host.
     runs = {}
     for i, (name, (sizes, m)) in enumerate(patterns(rng).items()):
-        x = jax.random.normal(jax.random.fold_in(key, i + 1), (m, k), jnp.bfloat16)
+        x = jax.random.normal(jax.random.fold_in(key, i + 1), (m, x_cols), jnp.bfloat16)
         poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
         y = kernel(x, w, jnp.asarray(sizes), compute_capability=cc, out=poisoned)
         runs[name] = (sizes, np.asarray(x), np.asarray(y.astype(jnp.float32)))  # bf16, float32
@@ -162,7 +187,7 @@ def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op,
                 start, size = int(np.sum(sizes[:e])), int(sizes[e])
                 if size == 0:
                     continue
-                ref = expert_reference(op, x[start:start + size].astype(np.float64), w_nk)
+                ref = expert_fn(x[start:start + size].astype(np.float64), w_nk)
                 got = np.nan_to_num(y[start:start + size].astype(np.float64), nan=1e30)
                 acc = errors[name, lo, hi]
                 acc[0] += float(np.sum((got - ref) ** 2))
@@ -176,7 +201,42 @@ def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op,
         if not rel < TOLERANCE:
             problems.append(f"{name}: experts {lo}..{hi - 1}: relative Frobenius error {rel:.3g} >= {TOLERANCE}")
     table = "; ".join(f"{name} {lo}..{hi - 1}: {math.sqrt(a / b):.2e}" for (name, lo, hi), (a, b) in errors.items() if b)
-    print(f"{op} {fmt} (SM{cc}) relative errors per expert block: {table}")
-    assert not problems, f"{op} {fmt} at Kimi K2 size (SM{cc}):\n" + "\n".join(problems) + f"\nall blocks: {table}"
+    print(f"{label} (SM{cc}) relative errors per expert block: {table}")
+    assert not problems, f"{label} at Kimi K2 size (SM{cc}):\n" + "\n".join(problems) + f"\nall blocks: {table}"
     checked = sum(1 for _, sq_ref in errors.values() if sq_ref > 0)
     assert checked >= 3 * len(BLOCKS), f"only {checked} (pattern, block) pairs had rows"  # the fixed patterns did
+
+
+@pytest.mark.gpu
+def test_kimi_size_weight_grad_top_experts_match_float64_reference(rng, record_property):
+    """``dy_e^T @ x_e`` into a NaN-poisoned bf16 ``[384, H, F]`` (5.6e9 elements, past 2**31):
+    the top expert blocks against float64, and experts without rows written as zeros."""
+    cc = _capability()
+    perturb_allocator()
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    sizes, m = patterns(rng)["last_expert_hottest"]
+    x = jax.random.normal(jax.random.fold_in(key, 0), (m, F), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.fold_in(key, 1), (m, H), jnp.bfloat16)
+    poisoned = jnp.full((E, H, F), jnp.nan, jnp.bfloat16)
+    dw = grouped_matmul_weight_grad(x, dy, jnp.asarray(sizes), compute_capability=cc, out_dtype=jnp.bfloat16,
+                                    out=poisoned)
+    del poisoned
+    empty = [e for e in (1, 143, 200, 292, 375) if sizes[e] == 0]
+    got = {e: np.asarray(dw[e].astype(jnp.float32), np.float64) for e in (*_block_experts(), *empty)}
+    x, dy = np.asarray(x).astype(np.float64), np.asarray(dy).astype(np.float64)
+    del dw
+    problems, starts = [], np.concatenate([[0], np.cumsum(sizes)])
+    for e in empty:
+        if np.any(got[e] != 0):
+            problems.append(f"expert {e} has no rows but {np.count_nonzero(got[e] != 0)} nonzero (or NaN) elements")
+    for lo, hi in BLOCKS:
+        sq_err = sq_ref = 0.0
+        for e in range(lo, hi):
+            ref = dy[starts[e]:starts[e + 1]].T @ x[starts[e]:starts[e + 1]]
+            sq_err += float(np.sum((np.nan_to_num(got[e], nan=1e30) - ref) ** 2))
+            sq_ref += float(np.sum(ref**2))
+        rel = math.sqrt(sq_err / sq_ref)
+        record_property(f"weight_grad experts {lo}..{hi - 1}", f"{rel:.2e}")
+        if not rel < TOLERANCE:
+            problems.append(f"experts {lo}..{hi - 1}: relative Frobenius error {rel:.3g} >= {TOLERANCE}")
+    assert not problems, f"weight_grad at Kimi K2 size (SM{cc}):\n" + "\n".join(problems)

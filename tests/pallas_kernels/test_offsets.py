@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import crosscompile
-from pallas_kernels.grouped_matmul import Op, run
+from pallas_kernels.grouped_matmul import Op, grouped_matmul_weight_grad, run
 
 SHAPES = {  # experts, hidden, expert intermediate
     "kimi_k2": (384, 7168, 2048),
@@ -92,6 +92,47 @@ def test_no_32_bit_offset_can_overflow(shape, op, weight_format):
                 f"argument {arg} {module.arg_shapes[arg]} has {elements} elements but is addressed with {types_} offsets")
         else:
             assert types_ <= {"i32", "i64"}, types_
+
+
+def _backward_module(kernel: str, projection: str, weight_format: str, e: int, h: int, f: int):
+    """The input gradient (``dy @ W_e``, weights as stored) or the float32 weight gradient of one
+    projection's forward matmul ``[E, N, K]``."""
+    n, k = (2 * f, h) if projection == "gate_up" else (h, f)
+    s = jax.ShapeDtypeStruct
+    group_sizes = s((e,), jnp.int32)
+    match kernel:
+        case "input_grad":
+            def fn(dy, w, group_sizes):
+                if isinstance(w, tuple):
+                    w = types.SimpleNamespace(packed=w[0], scales=w[1], global_scale=w[2])
+                return run(Op.MATMUL, dy, w, group_sizes, compute_capability=90, transpose_w=True)
+
+            args = (s((ROWS, n), jnp.bfloat16), _abstract(weight_format, e, n, k), group_sizes)
+        case "weight_grad":
+            def fn(x, dy, group_sizes):
+                return grouped_matmul_weight_grad(x, dy, group_sizes, compute_capability=90)
+
+            args = (s((ROWS, k), jnp.bfloat16), s((ROWS, n), jnp.bfloat16), group_sizes)
+        case _:
+            raise AssertionError(kernel)
+    [module] = crosscompile.triton_modules(fn, *args, capability=90)
+    return module
+
+
+@pytest.mark.parametrize("kernel, weight_format", [("input_grad", "bf16"), ("input_grad", "nvfp4"),
+                                                   ("weight_grad", "bf16")])
+@pytest.mark.parametrize("projection", ["gate_up", "down"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_no_32_bit_offset_can_overflow_in_the_backward_kernels(shape, projection, kernel, weight_format):
+    """The weight gradient's float32 output ``[E, N, K]`` passes 2**31 elements at every shape."""
+    module = _backward_module(kernel, projection, weight_format, *shape)
+    offsets = pointer_offsets(module.ttir)
+    assert offsets, "no tt.addptr found: the IR format changed, fix the parser"
+    big = [arg for arg in offsets if math.prod(module.arg_shapes[arg]) > 2**31]
+    if kernel == "weight_grad":
+        assert big, module.arg_shapes  # the output is past 2**31 elements: the check bites
+    for arg in big:
+        assert offsets[arg] == {"i64"}, (arg, module.arg_shapes[arg], offsets[arg])
 
 
 def test_the_check_sees_32_bit_offsets(monkeypatch):

@@ -1,0 +1,190 @@
+"""The backward-pass kernels against float64 references: interpret mode on CPU, native on GPU.
+
+* ``grouped_matmul_input_grad(dy, w, g)``: ``dy_e @ W_e`` with ``W`` read as stored (bf16 or
+  NVFP4 dequantized in the kernel), the gradient of ``grouped_matmul`` with respect to ``x``;
+* ``grouped_matmul_weight_grad(x, dy, g)``: ``dy_e^T @ x_e`` per expert, its gradient with
+  respect to a dense ``W``.
+
+As in ``test_grouped_matmul.py``: fresh random inputs, NaN-poisoned ``out=`` buffers (padding
+rows of the input gradient must keep their poison; every element of the weight gradient must
+be written, experts without rows as zeros), and in interpret mode zero load/store lanes outside
+their buffers (``check_bounds``), which the interpreter would otherwise clamp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_grouped_matmul import CASES, GPU_CASES, TOLERANCE, Case, _check, _gpu_capability, _weights
+
+from pallas_kernels.grouped_matmul import (
+    Op,
+    Variant,
+    grouped_matmul_input_grad,
+    grouped_matmul_weight_grad,
+    reference,
+    run,
+)
+
+
+def _run_input_grad(rng, case: Case, fmt: str, variant: Variant, *, compute_capability: int, interpret: bool):
+    # The forward weight is [E, N=case.k, K=case.n]: dy has the forward's N columns (the
+    # reduction here, a multiple of 64) and the result its K (case.n).
+    dy = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    w = _weights(rng, fmt, len(case.groups), case.k, case.n)
+    group_sizes = jnp.asarray(case.groups, jnp.int32)
+    poisoned = jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16)
+    out = run(Op.MATMUL, dy, w, group_sizes, compute_capability=compute_capability, interpret=interpret,
+              out=poisoned, variant=variant, check_bounds=interpret, transpose_w=True)
+    if interpret:
+        out, out_of_bounds = out
+        assert int(out_of_bounds[0]) == 0, f"{int(out_of_bounds[0])} load/store lanes outside their buffers"
+    _check(out, reference.grouped_matmul_input_grad(dy, w, group_sizes), padding_poisoned=True)
+
+
+def _run_weight_grad(rng, case: Case, out_dtype, *, compute_capability: int, interpret: bool):
+    x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((case.m, case.n)), jnp.bfloat16)
+    group_sizes = jnp.asarray(case.groups, jnp.int32)
+    poisoned = jnp.full((len(case.groups), case.n, case.k), jnp.nan, out_dtype)
+    out = grouped_matmul_weight_grad(x, dy, group_sizes, compute_capability=compute_capability, interpret=interpret,
+                                     out_dtype=out_dtype, out=poisoned, check_bounds=interpret)
+    if interpret:
+        out, out_of_bounds = out
+        assert int(out_of_bounds[0]) == 0, f"{int(out_of_bounds[0])} load/store lanes outside their buffers"
+    assert out.dtype == out_dtype
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} elements left unwritten (NaN)"
+    ref = reference.grouped_matmul_weight_grad(x, dy, group_sizes)
+    empty = [e for e in range(len(case.groups)) if not np.any(ref[e])]
+    assert not np.any(got[empty]), f"experts without rows {empty} got a nonzero gradient"
+    error = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert error <= TOLERANCE, f"relative Frobenius error {error:.3g}"
+
+
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_interpret_input_grad_matches_float64_reference(rng, case, fmt, variant):
+    _run_input_grad(rng, case, fmt, variant, compute_capability=90, interpret=True)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_interpret_weight_grad_matches_float64_reference(rng, case, out_dtype):
+    _run_weight_grad(rng, case, out_dtype, compute_capability=90, interpret=True)
+
+
+@pytest.mark.parametrize("capability", [80, 89, 100, 120])
+def test_interpret_backward_kernels_with_every_tile_table_row(rng, capability):
+    """Each capability's tiles (the weight gradient's are smaller where shared memory is)."""
+    case = CASES["m_not_a_tile_multiple"]
+    _run_input_grad(rng, case, "nvfp4", Variant.DECODE, compute_capability=capability, interpret=True)
+    _run_weight_grad(rng, case, jnp.float32, compute_capability=capability, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(Variant), ids=lambda v: v.value)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_input_grad_matches_float64_reference(rng, case, fmt, variant):
+    _run_input_grad(rng, case, fmt, variant, compute_capability=_gpu_capability(), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_weight_grad_matches_float64_reference(rng, case, out_dtype):
+    _run_weight_grad(rng, case, out_dtype, compute_capability=_gpu_capability(), interpret=False)
+
+
+def test_public_input_grad_is_the_transposed_run(rng):
+    case = CASES["empty_and_one_row_groups"]
+    dy = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    w = _weights(rng, "nvfp4", len(case.groups), case.k, case.n)
+    group_sizes = jnp.asarray(case.groups, jnp.int32)
+    out = grouped_matmul_input_grad(dy, w, group_sizes, compute_capability=120, interpret=True)
+    assert out.shape == (case.m, case.n) and out.dtype == jnp.bfloat16
+    _check(out, reference.grouped_matmul_input_grad(dy, w, group_sizes), padding_poisoned=False)
+
+
+def test_weight_grad_of_no_rows_is_zero(rng):
+    x, dy = jnp.zeros((0, 64), jnp.bfloat16), jnp.zeros((0, 32), jnp.bfloat16)
+    out = grouped_matmul_weight_grad(x, dy, jnp.asarray([0, 0], jnp.int32), compute_capability=90, interpret=True)
+    assert out.shape == (2, 32, 64) and out.dtype == jnp.float32 and not np.any(np.asarray(out))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x.astype(jnp.float32), dy, g, compute_capability=90),
+     r"^x_mk: float32\[40, 64\], expected bfloat16"),
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x, dy[:3], g, compute_capability=90),
+     r"^dy_mn: 3 rows, expected M=40 \(x_mk\)"),
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x, dy, g, compute_capability=90, out_dtype=jnp.int32),
+     r"^out_dtype: int32, expected float32 or bfloat16"),
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x, dy, g.astype(jnp.int8), compute_capability=90),
+     r"^group_sizes_e: int8\[3\], expected int32"),
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x, dy, g, compute_capability=75),
+     r"^compute_capability: 75 has no tile configurations"),
+    (lambda x, dy, g, w: grouped_matmul_weight_grad(x, dy, g, compute_capability=90,
+                                                    out=jnp.zeros((3, 32, 64), jnp.bfloat16)),
+     r"^out: bfloat16\[3, 32, 64\], expected float32 \[3, 32, 64\]"),
+    (lambda x, dy, g, w: grouped_matmul_input_grad(x, w, g, compute_capability=90),
+     r"^w: shape \(3, 32, 64\), expected \[E=3 \(group_sizes_e\), N=64 \(dy_mn\), K\]"),
+    (lambda x, dy, g, w: grouped_matmul_input_grad(dy, w, g, compute_capability=90),
+     r"^dy_mn: N=32, expected a positive multiple of 64"),
+])
+def test_bad_arguments_raise_naming_the_argument(rng, call, match):
+    x = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    w = _weights(rng, "bf16", 3, 32, 64)
+    with pytest.raises(ValueError, match=match):
+        call(x, dy, jnp.asarray([10, 20, 10], jnp.int32), w)
+
+
+def test_transposed_nvfp4_tile_keeps_memory_order():
+    """Transposed, the packed dimension is the output's, so neither the tile nor x is permuted."""
+    from pallas_kernels.grouped_matmul import triton as triton_backend, tuning
+
+    config = tuning.TILE_TABLE[90][(Variant.DECODE, tuning.WeightFormat.NVFP4, Op.MATMUL)]
+    spec = triton_backend.KernelSpec(
+        variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=triton_backend.Dequant.EXACT,
+        config=config, num_rows=16, k=64, n_out=64, block_k=64, block_n=64, max_tiles=1, aliased=False,
+        transpose_w=True)
+    assert spec.order is triton_backend.Order.MODELOPT
+    with pytest.raises(ValueError, match="transpose_w"):
+        triton_backend.KernelSpec(
+            variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.GATE_UP_SWIGLU,
+            dequant=triton_backend.Dequant.EXACT, config=config, num_rows=16, k=64, n_out=64, block_k=64, block_n=64,
+            max_tiles=1, aliased=False, transpose_w=True)
+
+
+def test_weight_grad_tiles_fit_shared_memory():
+    from pallas_kernels.grouped_matmul import tuning
+
+    assert set(tuning.WEIGHT_GRAD_TILES) == set(tuning.TILE_TABLE)
+    for capability, config in tuning.WEIGHT_GRAD_TILES.items():
+        assert tuning.weight_grad_shared_memory(config) <= tuning.SHARED_MEMORY_BYTES[capability], capability
+
+
+def test_bounds_check_sees_unclipped_groups_in_the_weight_grad(rng, monkeypatch):
+    """The weight gradient's bounds check itself: group bounds not cut at M read past x and dy."""
+    from pallas_kernels.grouped_matmul import triton as triton_backend
+
+    case = CASES["groups_sum_past_the_rows"]
+    bounds = triton_backend.group_bounds
+
+    def unclipped(group_sizes_e, *, num_rows):
+        return bounds(group_sizes_e, num_rows=2**30)
+
+    monkeypatch.setattr(triton_backend, "group_bounds", unclipped)
+    jax.clear_caches()
+    try:
+        x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((case.m, case.n)), jnp.bfloat16)
+        _, out_of_bounds = grouped_matmul_weight_grad(x, dy, jnp.asarray(case.groups, jnp.int32), compute_capability=90,
+                                                      interpret=True, check_bounds=True)
+    finally:
+        jax.clear_caches()
+    assert int(out_of_bounds[0]) > 0

@@ -53,6 +53,11 @@ class MoEConfig:
         the same as ``weight_format``. NVIDIA's NVFP4 exports of Kimi K2 keep the shared expert
         in bf16 while the routed experts are NVFP4. :attr:`shared_format` is the effective one.
       dtype: activation dtype.
+      qat: quantization-aware training of NVFP4 experts (needs ``weight_format="nvfp4"``). The
+        routed experts' parameters are then float master weights (bf16 or float32, see
+        :attr:`expert_param_format`), quantized to NVFP4 in every forward pass; the expert GEMMs
+        run on that quantization, and gradients reach the masters through a straight-through
+        estimator (``moe_jax.experts``).
 
     Implementations (each ``"auto"`` or a registered name, checked by ``resolve``; see
     ``moe-jax explain``):
@@ -85,6 +90,7 @@ class MoEConfig:
     weight_format: WeightFormat = "bf16"
     shared_weight_format: WeightFormat | None = None
     dtype: ActivationDtype = "bfloat16"
+    qat: bool = False
 
     expert_gemm: str = AUTO
     exchange: str = AUTO
@@ -118,7 +124,7 @@ class MoEConfig:
         for field in ("expert_gemm", "exchange"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 _fail(field, getattr(self, field), f"must be a non-empty string: {AUTO!r} or a registered name")
-        for field in ("normalize", "router_bias", "interpret"):
+        for field in ("normalize", "router_bias", "interpret", "qat"):
             if type(getattr(self, field)) is not bool:
                 _fail(field, getattr(self, field), "must be a bool")
         if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
@@ -130,6 +136,9 @@ class MoEConfig:
                 _fail("shared_weight_format", self.shared_weight_format, f"must be one of {allowed}")
             if self.num_shared_experts == 0:
                 _fail("shared_weight_format", self.shared_weight_format, "needs num_shared_experts >= 1")
+        if self.qat and self.weight_format != "nvfp4":
+            _fail("qat", self.qat, f"needs weight_format='nvfp4' (found {self.weight_format!r}): it trains "
+                  "float masters through their NVFP4 quantization")
         if self.weight_format == "nvfp4":
             for field in ("hidden_size", "expert_intermediate_size"):
                 if getattr(self, field) % 16:
@@ -164,6 +173,12 @@ class MoEConfig:
         """The shared expert's effective weight format: ``shared_weight_format`` or, when that
         is None, ``weight_format``."""
         return self.weight_format if self.shared_weight_format is None else self.shared_weight_format
+
+    @property
+    def expert_param_format(self) -> WeightFormat:
+        """The format the routed experts' parameters are stored in: ``weight_format``, except
+        under ``qat``, where they are float masters (``"bf16"`` here means "a float array")."""
+        return "bf16" if self.qat else self.weight_format
 
     @property
     def shared_size(self) -> int:

@@ -49,15 +49,31 @@ def swiglu(h_mg: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def _straight_through(master: jax.Array, dtype) -> jax.Array:
+    """The NVFP4 quantization of ``master``, dequantized, with the identity as its derivative.
+
+    The straight-through estimator (Bengio et al. 2013) treats rounding as the identity in the
+    backward pass: ``dL/dmaster = dL/dW_q``. Alternatives, not taken: a clipped STE (zero
+    gradient where a value saturates; NVFP4 derives its scales from the amax, so only the
+    block-scale clamp at E4M3's range can saturate), learned step sizes (LSQ, extra parameters
+    per block scale), and stochastic rounding (unbiased, noisier). The quantization runs inside
+    ``jit`` every step and gives the host quantizer's codes (:func:`moe_jax.nvfp4.quantize`).
+    """
+    quantized = nvfp4.dequantize(nvfp4.quantize(jax.lax.stop_gradient(master)), jnp.float32)
+    return (master.astype(jnp.float32) + jax.lax.stop_gradient(quantized - master.astype(jnp.float32))).astype(dtype)
+
+
 def xla_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
-    fused kernel that writes it in bf16 would.
+    fused kernel that writes it in bf16 would. Under ``config.qat`` the weights are float
+    masters, used through their NVFP4 quantization (:func:`_straight_through`).
     """
     dtype = jnp.dtype(plan.config.dtype)
-    w_gate_up_egh = dense_weight(weights["w_gate_up_egh"], dtype)
-    w_down_ehf = dense_weight(weights["w_down_ehf"], dtype)
+    dense = functools.partial(_straight_through, dtype=dtype) if plan.config.qat else (
+        lambda w: dense_weight(w, dtype))
+    w_gate_up_egh, w_down_ehf = dense(weights["w_gate_up_egh"]), dense(weights["w_down_ehf"])
     h_mg = jax.lax.ragged_dot_general(
         x_mh.astype(dtype), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
         preferred_element_type=jnp.float32,
@@ -78,7 +94,27 @@ def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
 INTERPRET_CAPABILITY = 90
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _kernel_args(plan: Plan) -> dict:
+    return dict(compute_capability=plan.target.compute_capability or INTERPRET_CAPABILITY,
+                interpret=plan.config.interpret)
+
+
+def _kernel_weights(weights, plan: Plan) -> dict:
+    """The weights the kernels read: the parameters, or under ``qat`` the NVFP4 quantization of
+    the float masters, made inside the trace every call."""
+    if not plan.config.qat:
+        return weights
+    return {name: nvfp4.quantize(jax.lax.stop_gradient(w), name=name) for name, w in weights.items()}
+
+
+def _pallas_forward(x_mh, group_sizes_e, weights, plan: Plan):
+    kernel_args = _kernel_args(plan)
+    a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e,
+                                     **kernel_args)
+    return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     """The Pallas kernels: fused gate/up + SwiGLU, then the down projection.
 
@@ -86,32 +122,102 @@ def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     ``[M, 2F]`` gate/up product never reaches memory. Rows past ``sum(group_sizes_e)`` are
     left unwritten (unspecified), as the stage contract allows.
 
-    The kernels have no derivative rule: differentiating through them raises a ValueError
-    that says how to resolve a differentiable plan, where Pallas itself would fail inside its
-    own JVP rule with an internal assertion.
+    Differentiable (``jax.custom_vjp``). Under differentiation the forward pass runs the gate/up
+    product as the plain grouped matmul and keeps it (bf16 ``[M, 2F]``: one GEMM fewer than
+    recomputing it, as torch's autograd keeps it too), with SwiGLU in XLA; the backward pass
+    runs the two kernels a backward pass needs, the input gradient (``dy @ W_e``, NVFP4
+    dequantized in the kernel as in the forward, no dequantized copy) and the weight gradient
+    (``dy_e^T @ x_e`` per expert). Cotangents: ``x_mh`` gets its gradient (zero on padding
+    rows); bf16 weights and ``qat`` masters get theirs (the masters through the
+    straight-through estimator, see :func:`_straight_through`); NVFP4 weights stored as such are
+    frozen (zero cotangent, and no weight gradient is computed).
     """
-    config, target = plan.config, plan.target
-    kernel_args = dict(
-        compute_capability=target.compute_capability or INTERPRET_CAPABILITY, interpret=config.interpret
-    )
-    a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e, **kernel_args)
-    return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
+    return _pallas_forward(x_mh, group_sizes_e, _kernel_weights(weights, plan), plan)
 
 
-@pallas_expert_mlp.defjvp
-def _pallas_expert_mlp_jvp(plan: Plan, primals, tangents):
-    # Resolution never picks 'pallas' for training, so a plan that gets here is an inference plan.
-    del plan, primals, tangents
-    raise ValueError(
-        "expert_gemm 'pallas' has no gradient yet: this plan was resolved for inference; resolve with "
-        "training=True (moe_jax.resolve(config, mesh, training=True), or MoE(..., training=True)) to get a "
-        "differentiable implementation"
-    )
+def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
+    """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
+    last expert's, harmless: their values are never used)."""
+    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right")
+    return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
+
+
+def _one_scale_per_expert(w_gate_up, group_sizes_e, num_rows: int):
+    """``(w, half_scales_m2)``: the gate/up weight as the plain matmul and the input gradient
+    take it (one global scale per expert), and None, or, for gate and up with their own global
+    scales, the weight with 1.0 and each row's ``[gate, up]`` scales to multiply instead."""
+    if not (isinstance(w_gate_up, nvfp4.NVFP4Tensor) and w_gate_up.row_groups == 2):
+        return w_gate_up, None
+    ones = jnp.ones(w_gate_up.global_scale.shape[:1], jnp.float32)
+    return (nvfp4.NVFP4Tensor(packed=w_gate_up.packed, scales=w_gate_up.scales, global_scale=ones),
+            _row_half_scales(w_gate_up.global_scale, group_sizes_e, num_rows))
+
+
+def _per_half(h_mg, half_scales_m2):
+    """float32 ``h_mg`` with its gate and up halves times their rows' scales (None: as is)."""
+    h_mg = h_mg.astype(jnp.float32)
+    if half_scales_m2 is None:
+        return h_mg
+    gate, up = jnp.split(h_mg, 2, axis=-1)
+    return jnp.concatenate([gate * half_scales_m2[:, :1], up * half_scales_m2[:, 1:]], axis=-1)
+
+
+def _pallas_expert_mlp_fwd(x_mh, group_sizes_e, weights, plan: Plan):
+    kernel_args = _kernel_args(plan)
+    kernel_weights = _kernel_weights(weights, plan)
+    x_mh = x_mh.astype(jnp.bfloat16)
+    w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, x_mh.shape[0])
+    h_mg = pallas_gmm.grouped_matmul(x_mh, w_gate_up, group_sizes_e, **kernel_args)  # bf16, kept
+    a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
+    y_mh = pallas_gmm.grouped_matmul(a_mf, kernel_weights["w_down_ehf"], group_sizes_e, **kernel_args)
+    # Residuals must be arrays: an empty slice carries each trainable weight's dtype and, under
+    # shard_map, the mesh axes it varies over.
+    trainable = {name: None if isinstance(w, nvfp4.NVFP4Tensor) else w.reshape(-1)[:0] for name, w in weights.items()}
+    return y_mh, (x_mh, group_sizes_e, kernel_weights, trainable, h_mg)
+
+
+def _pallas_expert_mlp_bwd(plan: Plan, residuals, dy_mh):
+    x_mh, group_sizes_e, kernel_weights, trainable, h_mg = residuals
+    kernel_args = _kernel_args(plan)
+    dy_mh = dy_mh.astype(jnp.bfloat16)
+    num_rows = x_mh.shape[0]
+    w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, num_rows)
+    gate, up = jnp.split(_per_half(h_mg, half_scales_m2), 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    a_mf = (silu * up).astype(jnp.bfloat16)  # the forward's bf16 SwiGLU output, recomputed
+
+    da_mf = pallas_gmm.grouped_matmul_input_grad(dy_mh, kernel_weights["w_down_ehf"], group_sizes_e,
+                                                 **kernel_args).astype(jnp.float32)
+    dh_mg = jnp.concatenate([da_mf * up * (sig * (1.0 + gate * (1.0 - sig))), da_mf * silu], axis=-1)
+    # The input gradient reads the weight with one scale per expert: the rows carry the halves'.
+    dx_mh = pallas_gmm.grouped_matmul_input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_gate_up,
+                                                 group_sizes_e, **kernel_args)
+    # Padding rows have no defined output, so no gradient: zero them rather than pass on
+    # whatever the kernels left there.
+    defined_m = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes_e, 0))
+    dx_mh = jnp.where(defined_m[:, None], dx_mh, 0)
+
+    def weight_grad(name, rows_mk, dy_mn):
+        if trainable[name] is None:
+            return None  # Frozen NVFP4 weights: nothing to compute.
+        dw = pallas_gmm.grouped_matmul_weight_grad(rows_mk, dy_mn, group_sizes_e, out_dtype=trainable[name].dtype,
+                                                   **kernel_args)
+        # Under shard_map the rows vary over every mesh axis and a weight over the expert axis
+        # only: its gradient is the sum of every device's rows' contributions along the others.
+        summed = jax.typeof(dw).manual_axis_type.varying - jax.typeof(trainable[name]).manual_axis_type.varying
+        return jax.lax.psum(dw, tuple(sorted(summed))) if summed else dw
+
+    dweights = {"w_gate_up_egh": weight_grad("w_gate_up_egh", x_mh, dh_mg.astype(jnp.bfloat16)),
+                "w_down_ehf": weight_grad("w_down_ehf", a_mf, dy_mh)}
+    return dx_mh, None, dweights
+
+
+pallas_expert_mlp.defvjp(_pallas_expert_mlp_fwd, _pallas_expert_mlp_bwd)
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
-    if target.training:
-        return "the kernels have no VJP yet (kernel VJPs are on the roadmap); 'xla' is differentiable"
+    # No condition on target.training: the kernels have a VJP (pallas_expert_mlp).
     if not config.interpret:
         if target.platform != "cuda":
             return (f"needs an NVIDIA GPU, found {target.platform}; MoEConfig.interpret=True runs the "
@@ -128,7 +234,10 @@ def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
 
 
 def _auto_order(target: Target, config: MoEConfig):
-    del target, config
+    del config
+    if target.training:
+        return ("pallas", "xla"), ("the Pallas kernels where they can run (differentiable: their VJP runs the input- "
+                                   "and weight-gradient kernels), else the reference")
     return ("pallas", "xla"), "the Pallas kernels where they can run, else the reference"
 
 
@@ -137,7 +246,8 @@ EXPERT_GEMM = Registry(
     implementations=(
         Implementation(
             name="pallas",
-            summary="Pallas/Triton grouped GEMMs, NVFP4 dequantized in-kernel, fused SwiGLU; SM80-SM120",
+            summary=("Pallas/Triton grouped GEMMs, NVFP4 dequantized in-kernel, fused SwiGLU; SM80-SM120; "
+                     "differentiable (input- and weight-gradient kernels)"),
             cannot_run=_pallas_cannot_run,
             run=pallas_expert_mlp,
         ),

@@ -10,7 +10,7 @@ Parameters (a nested dict, a pytree)::
      "shared":  {"w_gate_up_gh": [2S, H], "w_down_hs": [H, S]}  (only with shared experts)}
 
 Projection weights are (out, in) as checkpoints store them, gate rows before up rows, each a
-bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` per ``config.weight_format``. An NVFP4
+bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` per ``config.expert_param_format``. An NVFP4
 gate/up weight has one global scale per matrix (``[E]``; ``[]`` shared) or one per half
 (``[E, 2]``; ``[2]`` shared: gate's, then up's, as ModelOpt may give them); down weights have
 one per matrix.
@@ -62,7 +62,7 @@ def param_shapes(config: MoEConfig) -> dict:
 
 
 def init_params(config: MoEConfig, key: jax.Array) -> Params:
-    """Random parameters (fan-in scaled normal); routed projections in ``config.weight_format``,
+    """Random parameters (fan-in scaled normal); routed projections in ``config.expert_param_format``,
     shared ones in ``config.shared_format``."""
     shapes = param_shapes(config)
     keys = iter(jax.random.split(key, 8))
@@ -79,7 +79,7 @@ def init_params(config: MoEConfig, key: jax.Array) -> Params:
 
     params = {
         "router": {"w_eh": jax.random.normal(next(keys), shapes["router"]["w_eh"]) / math.sqrt(config.hidden_size)},
-        "experts": {name: projection(shape, config.weight_format) for name, shape in shapes["experts"].items()},
+        "experts": {name: projection(shape, config.expert_param_format) for name, shape in shapes["experts"].items()},
     }
     if config.router_bias:
         # Zero, as DeepSeek-V3 starts it: training moves it to balance the load.
@@ -104,7 +104,7 @@ def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -
         device makes only its own experts); else on the default device.
     """
     shapes = param_shapes(config)
-    formats = {"router": "float32", "experts": config.weight_format, "shared": config.shared_format}
+    formats = {"router": "float32", "experts": config.expert_param_format, "shared": config.shared_format}
 
     def abstract(shape, fmt):
         match fmt:
@@ -153,7 +153,7 @@ def quantize_params(params: Params, config: MoEConfig | None = None) -> Params:
     """
     formats = {"experts": "nvfp4", "shared": "nvfp4"}
     if config is not None:
-        formats = {"experts": config.weight_format, "shared": config.shared_format}
+        formats = {"experts": config.expert_param_format, "shared": config.shared_format}
     out = {group: dict(leaves) for group, leaves in params.items()}
     for group, weight_format in formats.items():
         for name, w in params.get(group, {}).items():
@@ -171,7 +171,7 @@ def quantize_params(params: Params, config: MoEConfig | None = None) -> Params:
 def check_params(params: Params, config: MoEConfig) -> None:
     """Raises ValueError naming the first parameter whose presence, shape or dtype is wrong.
 
-    Routed projections must be in ``config.weight_format``, shared ones in
+    Routed projections must be in ``config.expert_param_format``, shared ones in
     ``config.shared_format``. One optional group is accepted besides :func:`param_shapes`'
     layout: ``params["input_scales"]``, the activation scales of an NVFP4 checkpoint
     (ModelOpt's ``input_scale``, one per projection), kept for W4A4 kernels and unused by the
@@ -180,7 +180,7 @@ def check_params(params: Params, config: MoEConfig) -> None:
     (all three or none).
     """
     expected = param_shapes(config)
-    formats = {"router": None, "experts": config.weight_format, "shared": config.shared_format}
+    formats = {"router": None, "experts": config.expert_param_format, "shared": config.shared_format}
     for group, names in expected.items():
         if not isinstance(params.get(group), dict):
             raise ValueError(f"params[{group!r}]: missing, expected a dict with {sorted(names)}")
@@ -276,15 +276,23 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     # One NaN token would make every sum, and so a training loss with the auxiliary loss in
     # it, NaN. Logits are checked besides x: finite activations can still overflow them.
     finite_t = jnp.all(jnp.isfinite(x_th), axis=1) & jnp.all(jnp.isfinite(logits_te), axis=1)
-    sums = router.load_statistics(router.expert_scores(logits_te, config), ids_tk, valid_t & finite_t,
-                                  config.num_experts)
+    counted_t = valid_t & finite_t
+    # Zeros in place of the logits left out, before any function of them: a select after the
+    # scores would pass a zero cotangent through a NaN derivative, and 0 * NaN is NaN, so one
+    # bad token would still make the losses' gradients NaN.
+    stat_logits_te = jnp.where(counted_t[:, None], logits_te, 0.0)
+    sums = (router.load_statistics(router.expert_scores(stat_logits_te, config), ids_tk, counted_t,
+                                   config.num_experts),
+            router.z_loss_sum(stat_logits_te, counted_t))
     nonfinite = jnp.sum(valid_t & ~finite_t).astype(jnp.int32)
     if axis_names:
+        # Every statistic is a sum over tokens until here, so one psum makes it the mesh's.
         sums, dropped, nonfinite = jax.lax.psum((sums, dropped, nonfinite), axis_names)
-    counts_e, prob_sum_e, num_counted = sums
+    (counts_e, prob_sum_e, num_counted), z_sum = sums
     stats = {
         "tokens_per_expert": counts_e,
         "load_balance_loss": router.load_balance_loss(counts_e, prob_sum_e, num_counted, config.top_k),
+        "router_z_loss": router.router_z_loss(z_sum, num_counted),
         "dropped": dropped.astype(jnp.int32),
         "nonfinite_tokens": nonfinite,
     }
@@ -318,11 +326,13 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
       ``(y, stats)``: ``y`` has ``x``'s shape in ``config.dtype``; ``stats`` holds
       ``tokens_per_expert`` int32 ``[E]`` (assignments per expert), ``load_balance_loss``
       float32 (Switch-Transformer auxiliary loss, 1.0 when balanced, 0.0 for no tokens),
-      ``dropped`` int32 (assignments dropped by a capacity; always 0 when dropless) and
-      ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their router
-      logits: ``tokens_per_expert`` and ``load_balance_loss`` leave them out, so one bad
-      token cannot make the loss NaN; their own outputs may be non-finite). On a mesh the
-      statistics cover every device's tokens.
+      ``router_z_loss`` float32 (ST-MoE's ``mean_t logsumexp(logits_t)^2``, 0.0 for no
+      tokens), ``dropped`` int32 (assignments dropped by a capacity; always 0 when dropless)
+      and ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their
+      router logits: ``tokens_per_expert`` and both losses leave them out, so one bad token
+      cannot make a loss NaN; their own outputs may be non-finite). Both losses are
+      differentiable with respect to the router weights (``tokens_per_expert`` is constant
+      in them). On a mesh the statistics cover every device's tokens: additive sums, psum'd.
 
     Raises:
       ValueError: ``x`` or ``params`` of the wrong shape or dtype (naming which).
@@ -434,10 +444,11 @@ def _check_vma(plan: Plan) -> bool:
 
     JAX 0.11.2's interpreter evaluates a kernel body with varying operands sliced by invariant
     grid indices, which that typing rejects ("dynamic_slice requires varying manual axes to
-    match"). A JAX limitation, not a bug of the layer: the interpreter is for tests, and the
-    kernels have no VJP (differentiating raises, see :func:`moe_jax.experts.pallas_expert_mlp`),
-    so the typing, which is what keeps gradients through the collectives right, protects
-    nothing there. Never switched off for anything else.
+    match"). A JAX limitation, not a bug of the layer: the interpreter is for tests. Without the
+    typing, ``shard_map`` sums the cotangents of inputs along the mesh axes they do not vary over
+    at its boundary, so gradients stay right (``tests/test_gradients_pallas.py`` compares them);
+    with it, the kernels' VJP sums weight gradients itself
+    (:func:`moe_jax.experts.pallas_expert_mlp`). Never switched off for anything else.
     """
     return not (plan.expert_gemm == "pallas" and plan.config.interpret)
 

@@ -1,10 +1,12 @@
-"""Top-k routing: softmax (Mixtral, Qwen) and the DeepSeek-V3 / Kimi K2 sigmoid rule.
+"""Top-k routing: softmax (Mixtral, Qwen) and the DeepSeek-V3 / Kimi K2 sigmoid rule, and
+what balances the load: the auxiliary losses' sums and DeepSeek-V3's correction-bias update.
 
 Dimension letters: ``t`` tokens, ``e`` experts, ``k`` top-k slots, ``g`` expert groups.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, assert_never
 
 import jax
@@ -115,6 +117,85 @@ def load_balance_loss(counts_e: jax.Array, prob_sum_e: jax.Array, num_tokens: ja
     num_tokens = jnp.maximum(num_tokens, 1)
     f_e = counts_e / (num_tokens * top_k)
     return counts_e.shape[0] * jnp.sum(f_e * prob_sum_e / num_tokens)
+
+
+def z_loss_sum(logits_te: jax.Array, counted_t: jax.Array) -> jax.Array:
+    """``sum_t logsumexp(logits_te[t])^2`` over the counted tokens: float32 ``[]``.
+
+    The numerator of the ST-MoE router z-loss (:func:`router_z_loss`); additive over tokens,
+    so it can be psum'd like :func:`load_statistics`' sums.
+
+    Args:
+      logits_te: ``[T, E]`` router logits, any float dtype (computed in float32).
+      counted_t: bool ``[T]``, the tokens to cover (callers leave out padding and non-finite
+        tokens, as for :func:`load_statistics`).
+    """
+    # Zeros in place of the tokens left out, not only a select of the result: a select's zero
+    # cotangent times the non-finite derivative of a NaN token's logsumexp would still be NaN.
+    logits_te = jnp.where(counted_t[:, None], logits_te.astype(jnp.float32), 0.0)
+    lse_t = jax.nn.logsumexp(logits_te, axis=-1)
+    return jnp.sum(jnp.where(counted_t, jnp.square(lse_t), 0.0))
+
+
+def router_z_loss(z_sum: jax.Array, num_tokens: jax.Array) -> jax.Array:
+    """ST-MoE's router z-loss ``mean_t logsumexp(logits_t)^2`` from :func:`z_loss_sum` and the
+    token count; 0.0 when no token was counted. Float32 ``[]``. It penalizes large router
+    logits, whose roundoff in the exponentials ST-MoE found to destabilize training."""
+    return z_sum / jnp.maximum(num_tokens, 1)
+
+
+def update_correction_bias(bias_e: jax.Array, tokens_per_expert_e: jax.Array, rate) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing step: ``bias_e + rate * sign(mean - load_e)``.
+
+    Each expert whose load is above the mean loses ``rate`` of selection bias, each one below
+    gains it, one exactly at the mean keeps its bias; an empty batch changes nothing. The bias
+    enters only the selection (:func:`route`), so balancing this way leaves the combine
+    weights, and the gradients, alone.
+
+    Args:
+      bias_e: float ``[E]`` correction bias (``params["router"]["bias_e"]``).
+      tokens_per_expert_e: int or float ``[E]`` assignments per expert in the last step
+        (``stats["tokens_per_expert"]``, summed over the mesh).
+      rate: the step size ``gamma``, a finite number > 0 (DeepSeek-V3 used 1e-3), or a traced
+        float scalar (then only its shape and dtype are checked).
+
+    Returns:
+      The new bias, float32 ``[E]``.
+
+    Raises:
+      ValueError: naming the argument, for a bad rate, shape or dtype.
+    """
+    _check_rate(rate)
+    for name, a in (("bias_e", bias_e), ("tokens_per_expert_e", tokens_per_expert_e)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"{name}: {type(a).__name__}, expected an array [E]")
+        if len(a.shape) != 1:
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected [E]")
+    if not jnp.issubdtype(bias_e.dtype, jnp.floating):
+        raise ValueError(f"bias_e: dtype {bias_e.dtype}, expected a floating dtype")
+    count_dtype = tokens_per_expert_e.dtype
+    if not (jnp.issubdtype(count_dtype, jnp.integer) or jnp.issubdtype(count_dtype, jnp.floating)):
+        raise ValueError(f"tokens_per_expert_e: dtype {tokens_per_expert_e.dtype}, expected an int or float dtype")
+    if tokens_per_expert_e.shape != bias_e.shape:
+        raise ValueError(f"tokens_per_expert_e: shape {tuple(tokens_per_expert_e.shape)}, expected "
+                         f"{tuple(bias_e.shape)} like bias_e")
+    load_e = tokens_per_expert_e.astype(jnp.float32)
+    # load * E against the total rather than load against total / E: exact in float32 for
+    # counts below 2**24, so an expert exactly at the mean gets sign 0, not a rounding's +-1.
+    direction_e = jnp.sign(jnp.sum(load_e) - load_e * load_e.shape[0])
+    return bias_e.astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * direction_e
+
+
+def _check_rate(rate) -> None:
+    if isinstance(rate, jax.core.Tracer):
+        if rate.shape != () or not jnp.issubdtype(rate.dtype, jnp.floating):
+            raise ValueError(f"rate: a traced {rate.dtype} array of shape {rate.shape}, expected a float scalar")
+        return
+    if isinstance(rate, bool) or (not isinstance(rate, (int, float)) and getattr(rate, "shape", None) != ()):
+        raise ValueError(f"rate: {rate!r}, expected a finite number > 0")
+    value = float(rate)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"rate: {value}, expected a finite number > 0")
 
 
 def _check_logits(logits_te: jax.Array, config: MoEConfig) -> tuple[int, int]:

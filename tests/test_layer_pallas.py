@@ -110,6 +110,32 @@ def test_gpu_kernels_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exc
     assert "pallas_call" in str(body)  # the kernels run inside the shard_map
 
 
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+@pytest.mark.parametrize("qat", [False, True], ids=["bf16", "qat"])
+def test_gpu_kernel_gradients_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exchange, qat):
+    """As above for ``jax.grad`` with a training plan: the backward kernels (input and weight
+    gradients) are typed for ``shard_map(check_vma=True)`` too, the weight gradients varying over
+    the expert axis with their weights."""
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4" if qat else "bf16", qat=qat, shared_weight_format="bf16",
+                               exchange=exchange, expert_gemm="pallas", interpret=True)
+    mesh = sharding.make_mesh(2, devices=cpu_devices[:2])
+    on_cpu = resolve(dataclasses.replace(config, exchange="padded"), mesh, training=True)
+    h200 = dataclasses.replace(on_cpu.target, platform="cuda", device_kind="NVIDIA H200", compute_capability=90)
+    plan = dataclasses.replace(on_cpu, config=dataclasses.replace(config, interpret=False), target=h200,
+                               decisions=tuple(dataclasses.replace(d, chosen=getattr(config, d.stage))
+                                               for d in on_cpu.decisions))
+    params, x = make(dataclasses.replace(config, weight_format="bf16", qat=False), rng, tokens=40)
+
+    def loss(params, x):
+        y, stats = moe_forward(params, x, plan)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + stats["load_balance_loss"]
+
+    jaxpr = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).jaxpr
+    names = re.findall(r"name=(grouped_[a-z0-9_]+)", str(jaxpr))
+    assert {"grouped_matmul_input_grad_bf16_decode", "grouped_weight_grad_bfloat16"} <= set(names) or (
+        qat and {"grouped_matmul_input_grad_nvfp4_decode", "grouped_weight_grad_bfloat16"} <= set(names)), set(names)
+
+
 def test_pallas_on_cpu_without_the_interpreter_raises(cpu_devices):
     config = MoEConfig.kimi_k2(**SHAPE, expert_gemm="pallas")
     with pytest.raises(ValueError, match="expert_gemm = 'pallas' cannot run on .*needs an NVIDIA GPU, found cpu"):

@@ -4,10 +4,13 @@
 * DeepSeek-V3 / Kimi K2 (DeepSeek's inference code): sigmoid scores, bias for selection,
   groups scored by the sum of their top-2 biased scores, weights from unbiased scores,
   normalized, times routed_scaling_factor.
+* Load balancing: the Switch-Transformer auxiliary loss, ST-MoE's router z-loss, and
+  DeepSeek-V3's auxiliary-loss-free correction-bias update.
 """
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,3 +174,55 @@ def test_underflowed_sigmoid_scores_and_no_tokens_give_finite_statistics():
     assert np.isfinite(np.asarray(sums[1])).all()
     empty = router.load_statistics(jnp.zeros((0, 4)), jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, bool), 4)
     assert int(empty[2]) == 0 and float(router.load_balance_loss(*empty, top_k=1)) == 0.0
+
+
+def test_router_z_loss_matches_numpy_and_leaves_tokens_out(rng):
+    logits = rng.standard_normal((9, 6)) * 4
+    counted = np.ones(9, bool)
+    counted[[2, 7]] = False
+    logits[2] = np.nan  # left out: must not poison the sum
+    z_sum = router.z_loss_sum(jnp.asarray(logits, jnp.float32), jnp.asarray(counted))
+    kept = logits[counted]
+    lse = np.log(np.exp(kept - kept.max(1, keepdims=True)).sum(1)) + kept.max(1)
+    assert z_sum.dtype == jnp.float32 and z_sum.shape == ()
+    np.testing.assert_allclose(float(router.router_z_loss(z_sum, jnp.int32(7))), np.mean(lse**2), rtol=1e-5)
+    # Differentiable, and the NaN token's logits get a zero (not NaN) gradient.
+    grad = jax.grad(lambda l: router.z_loss_sum(l, jnp.asarray(counted)))(jnp.asarray(logits, jnp.float32))
+    softmax = np.exp(kept - lse[:, None])
+    np.testing.assert_allclose(np.asarray(grad)[counted], 2 * lse[:, None] * softmax, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(grad)[~counted], 0.0)
+    empty = router.z_loss_sum(jnp.zeros((0, 6)), jnp.zeros(0, bool))
+    assert float(router.router_z_loss(empty, jnp.int32(0))) == 0.0
+
+
+def test_correction_bias_moves_by_the_sign_of_the_load_gap():
+    bias = jnp.asarray([0.5, 0.0, -0.25, 0.0], jnp.bfloat16)
+    load = jnp.asarray([7, 1, 4, 4], jnp.int32)  # mean 4: over, under, at, at
+    new = router.update_correction_bias(bias, load, 0.125)
+    assert new.dtype == jnp.float32 and new.shape == (4,)
+    np.testing.assert_array_equal(new, [0.375, 0.125, -0.25, 0.0])
+    # No tokens: nothing to balance.
+    zeros = router.update_correction_bias(bias, jnp.zeros(4, jnp.int32), 0.125)
+    np.testing.assert_array_equal(zeros, np.asarray(bias, np.float32))
+    # Under jit, with a traced rate.
+    traced = jax.jit(router.update_correction_bias)(bias, load, jnp.float32(0.125))
+    np.testing.assert_array_equal(traced, new)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), 0.0), r"^rate: 0.0, expected a finite number > 0$"),
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), -1), r"^rate: -1.0, expected a finite number > 0$"),
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), float("nan")), r"^rate: nan, expected a finite number > 0$"),
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), "fast"), r"^rate: 'fast', expected a finite number > 0$"),
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), True), r"^rate: True, expected a finite number > 0$"),
+    ((jnp.zeros(4), jnp.zeros(4, jnp.int32), jnp.ones(2)), r"^rate: .*, expected a finite number > 0$"),
+    ((jnp.zeros((4, 1)), jnp.zeros(4, jnp.int32), 1e-3), r"^bias_e: shape \(4, 1\), expected \[E\]$"),
+    ((jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32), 1e-3), r"^bias_e: dtype int32, expected a floating dtype$"),
+    ((jnp.zeros(4), jnp.zeros(5, jnp.int32), 1e-3),
+     r"^tokens_per_expert_e: shape \(5,\), expected \(4,\) like bias_e$"),
+    ((jnp.zeros(4), jnp.zeros(4, bool), 1e-3), r"^tokens_per_expert_e: dtype bool, expected an int or float dtype$"),
+    ((jnp.zeros(4), [1, 2, 3, 4], 1e-3), r"^tokens_per_expert_e: list, expected an array \[E\]$"),
+])
+def test_correction_bias_update_rejects_bad_input(args, message):
+    with pytest.raises(ValueError, match=message):
+        router.update_correction_bias(*args)

@@ -1,4 +1,4 @@
-"""The example scripts run and do what they say."""
+"""The example scripts run and do what they say (``examples/train_moe.py``: tests/test_train_moe.py)."""
 
 import importlib.util
 import pathlib
@@ -13,11 +13,6 @@ def load(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def test_training_example_reduces_the_loss():
-    first, last = load("train").main(["--steps", "60", "--tokens", "256"])
-    assert last < 0.85 * first, (first, last)
 
 
 def test_inference_example_with_random_weights_on_a_mesh():

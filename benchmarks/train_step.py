@@ -1,0 +1,1002 @@
+"""The MoE training step (forward + backward) on one GPU, and the layer with expert parallelism.
+
+Issue 8, item 5. Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; hidden 7168,
+expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and 32768):
+
+* **step**: the routed experts' MLP (gate/up, SwiGLU, down) forward and backward through
+  ``moe_jax.experts.EXPERT_GEMM[...].run``: ``jax.vjp`` with a fixed cotangent ``dy``, grads
+  with respect to ``x`` and the bf16 weights, for ``pallas`` (the kernels' ``custom_vjp``) and
+  ``xla`` (the reference path); with ``--nvfp4`` also NVFP4 frozen weights (grads w.r.t. ``x``
+  only); and the torch peer: ``torch._grouped_mm`` forward and autograd backward of the same
+  SwiGLU MLP on the same bf16 weights and group offsets (torch's own derivative formulas, which
+  are ``_grouped_mm`` calls on transposed operands; NVFP4 configurations give torch the
+  dequantized weights in bf16, dX only);
+* **gemm**: each grouped GEMM alone, both projections (gate_up N=2F=4096 K=H=7168; down
+  N=H=7168 K=F=2048): the forward ``grouped_matmul``, its ``grouped_matmul_input_grad`` (dX)
+  and ``grouped_matmul_weight_grad`` (dW, bf16 out), and torch's ``_grouped_mm`` doing the same
+  three products; TFLOP/s at ``2 M N K`` each and backward over forward;
+* **layer** (``--layer``): ``moe_jax.moe_forward`` + its VJP under ``jax.jit`` (router,
+  exchange, experts, shared expert), ``pallas`` and ``xla``, for each ``--ep`` size over that
+  many local GPUs (``M`` rows per device: ``ep * M / top_k`` tokens).
+
+Routing: multinomial group sizes summing to M over the local experts, uniform (and Zipf with
+``--skewed``, as ``grouped_gemm.py``), fixed seed.
+
+Correctness, once per configuration and before it is timed: every step and GEMM is compared
+with an independent dense reference (each expert's rows gathered into a zero-padded
+``[E, max rows, .]`` block, batched ``einsum``; fp32 accumulation; the GEMM references in fp32
+with exactly dequantized NVFP4), and ``pallas`` steps also with ``xla``'s gradients where
+``xla`` ran. The error is the largest relative Frobenius norm over the outputs (y, dX, each
+dW). Above ``--max-err`` (or not finite) the implementation gets no time: its row records why.
+
+Timing: JAX with ``expert_parallel.timed`` (compiled once, two warm-up calls, then the median
+of ``--windows`` windows of ``--iters`` back-to-back calls, each window blocked on once; wall
+time over calls); torch with ``grouped_gemm.time_torch`` (CUDA events, median of
+``--torch-runs`` calls after a warm-up). CUPTI (``grouped_gemm.time_jax``) is not used: it keeps
+every call's outputs alive until the end, and dW outputs are GBs.
+
+Order: every ``pallas`` and torch row (each configuration's step, then its GEMMs) first, then
+the ``xla`` steps (slow: XLA expands ``ragged_dot`` densely over the experts, about 0.5 s a
+step at 32768 rows, and autotunes those GEMMs while compiling; ``--xla-rows`` limits them), then
+the layer. ``--budget-s`` starts nothing new past its time and records what it skipped.
+
+Provenance: device, command, commit (``--commit``, else ``$GIT_COMMIT``, else ``git
+rev-parse``; the GPU machine's copy has no ``.git``), versions. Writes ``train_step.json``,
+``train_step.md`` (rendered from the JSON by :func:`markdown`, after every configuration, so a
+run cut short keeps what it measured) and ``train_step.png`` under ``--out``.
+
+Usage::
+
+    python benchmarks/train_step.py --out DIR                       # 1 GPU, bf16, 8192 and 32768 rows
+    python benchmarks/train_step.py --out DIR --nvfp4 --skewed       # + NVFP4 frozen weights, Zipf routing
+    python benchmarks/train_step.py --out DIR --layer --ep 1 2       # + the layer step, EP over 2 GPUs
+    python benchmarks/train_step.py --smoke --out DIR                # CPU, tiny shapes, interpreted kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import expert_parallel  # noqa: E402  (timed)
+import grouped_gemm  # noqa: E402  (time_torch, capability, _torch_available, ZIPF_EXPONENT)
+
+KIMI = {"experts": 48, "hidden": 7168, "intermediate": 2048, "top_k": 8}
+SMOKE = {"experts": 4, "hidden": 128, "intermediate": 64, "top_k": 2}
+ROWS = (8192, 32768)
+ROUTINGS = ("uniform", "zipf")
+SMOKE_ROWS = (64,)
+MAX_ERR = 2e-2
+BACKWARD_GOAL = 0.9  # backward GEMM TFLOP/s over the forward kernel's
+TORCH_GOAL = 0.9  # torch's step time over ours
+GEMM_OPS = ("forward", "input_grad", "weight_grad")
+KERNEL_NAMES = {"forward": "grouped_matmul", "input_grad": "grouped_matmul_input_grad",
+                "weight_grad": "grouped_matmul_weight_grad"}
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def projections(shape: dict) -> dict:
+    """name -> (N, K) of the forward GEMM ``[M, K] x [E, N, K]^T``."""
+    h, f = shape["hidden"], shape["intermediate"]
+    return {"gate_up": (2 * f, h), "down": (h, f)}
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+def group_sizes(rows: int, experts: int, routing: str, rng) -> np.ndarray:
+    """int32 [E] summing to ``rows``: multinomial over uniform or Zipf expert probabilities.
+
+    (``grouped_gemm.group_sizes`` with the number of experts as a parameter.)
+    """
+    match routing:
+        case "uniform":
+            p = np.full(experts, 1.0 / experts)
+        case "zipf":
+            p = 1.0 / np.arange(1, experts + 1) ** grouped_gemm.ZIPF_EXPONENT
+            p = rng.permutation(p / p.sum())
+        case _:
+            raise ValueError(f"routing: {routing!r}")
+    return rng.multinomial(rows, p).astype(np.int32)
+
+
+def make_weights(shape: dict, fmt: str, seed: int) -> dict:
+    """``{"w_gate_up_egh": [E, 2F, H], "w_down_ehf": [E, H, F]}``: fan-in scaled bf16 normals,
+    or NVFP4 drawn in the stored format (:func:`moe_jax.nvfp4.random`)."""
+    from moe_jax import nvfp4  # noqa: PLC0415
+
+    e, h, f = shape["experts"], shape["hidden"], shape["intermediate"]
+    out = {}
+    for i, (name, dims) in enumerate((("w_gate_up_egh", (e, 2 * f, h)), ("w_down_ehf", (e, h, f)))):
+        key = jax.random.key(1000 * seed + i)
+        if fmt == "bf16":
+            out[name] = (jax.random.normal(key, dims, jnp.float32) / math.sqrt(dims[-1])).astype(jnp.bfloat16)
+        else:
+            out[name] = nvfp4.random(key, dims)
+    return jax.block_until_ready(out)
+
+
+def dense_bf16(w):
+    """A bf16 array as is; NVFP4 dequantized exactly and rounded to bf16 (what ``xla`` runs)."""
+    from moe_jax.experts import dense_weight  # noqa: PLC0415
+
+    return dense_weight(w, jnp.bfloat16)
+
+
+def dense_f32(w):
+    from moe_jax.experts import dense_weight  # noqa: PLC0415
+
+    return dense_weight(w, jnp.float32)
+
+
+@dataclasses.dataclass
+class Case:
+    rows: int
+    fmt: str  # "bf16" or "nvfp4"
+    routing: str
+    sizes: np.ndarray
+    x: jax.Array  # [M, H] bf16
+    dy: jax.Array  # [M, H] bf16, the cotangent of y
+    weights: dict
+    layout: dict  # padded-reference gather indices (device arrays)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.fmt} {self.routing} M={self.rows}"
+
+    @property
+    def keys(self) -> dict:
+        return {"weights": self.fmt, "routing": self.routing, "rows": self.rows,
+                "active_experts": int(np.count_nonzero(self.sizes)), "max_group": int(self.sizes.max())}
+
+
+def padded_layout(sizes: np.ndarray) -> dict:
+    """Gather indices that put each expert's rows in a zero-padded ``[E, C]`` block
+    (``C`` = the largest group) and take them back out, for the dense references."""
+    e = len(sizes)
+    cap = max(1, int(sizes.max()))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    slot = np.arange(cap)
+    mask = slot[None, :] < sizes[:, None]
+    index = np.where(mask, starts[:, None] + slot[None, :], 0)
+    expert_of_row = np.repeat(np.arange(e), sizes)
+    slot_of_row = np.arange(int(sizes.sum())) - starts[expert_of_row]
+    return {"index": jnp.asarray(index, jnp.int32), "mask": jnp.asarray(mask),
+            "expert_of_row": jnp.asarray(expert_of_row, jnp.int32), "slot_of_row": jnp.asarray(slot_of_row, jnp.int32)}
+
+
+def to_padded(a_m, layout):
+    return jnp.where(layout["mask"][..., None], a_m[layout["index"]], jnp.zeros((), a_m.dtype))
+
+
+def from_padded(a_ec, layout):
+    return a_ec[layout["expert_of_row"], layout["slot_of_row"]]
+
+
+# --- the functions timed ----------------------------------------------------------------------
+
+
+def vjp_step(apply, wrt_weights: bool):
+    """``step(x, weights, aux, dy)``: y and its VJP at ``dy`` (dX, and dW of both projections
+    when ``wrt_weights``) of ``apply(x, weights, aux) -> y``."""
+    def step(x, weights, aux, dy):
+        if wrt_weights:
+            y, pull = jax.vjp(lambda x, w: apply(x, w, aux), x, weights)
+            dx, dw = pull(dy)
+            return {"y": y, "dx": dx, "dw_gate_up": dw["w_gate_up_egh"], "dw_down": dw["w_down_ehf"]}
+        y, pull = jax.vjp(lambda x: apply(x, weights, aux), x)
+        (dx,) = pull(dy)
+        return {"y": y, "dx": dx}
+    return step
+
+
+def registered_apply(impl: str, plan):
+    from moe_jax.experts import EXPERT_GEMM  # noqa: PLC0415
+
+    run = EXPERT_GEMM[impl].run
+    return lambda x, weights, group_sizes_e: run(x, group_sizes_e, weights, plan)
+
+
+def dense_mlp(x, weights, layout):
+    """The expert MLP on zero-padded per-expert blocks: the numerics of ``xla`` (bf16 operands,
+    fp32 accumulation, the SwiGLU output rounded to bf16) without ``ragged_dot``."""
+    from moe_jax.experts import swiglu  # noqa: PLC0415
+
+    x_ech = to_padded(x, layout)
+    h_ecg = jnp.einsum("ech,egh->ecg", x_ech, dense_bf16(weights["w_gate_up_egh"]), preferred_element_type=jnp.float32)
+    a_ecf = swiglu(h_ecg).astype(jnp.bfloat16)
+    y_ech = jnp.einsum("ecf,ehf->ech", a_ecf, dense_bf16(weights["w_down_ehf"]), preferred_element_type=jnp.float32)
+    return from_padded(y_ech, layout).astype(jnp.bfloat16)
+
+
+def reference_gemm(op: str):
+    """fp32 (HIGHEST) per-expert products on padded blocks: ``(a, b, layout) -> out``."""
+    def fn(a, b, layout):
+        a_ec = to_padded(a, layout).astype(jnp.float32)
+        match op:
+            case "forward":  # a = x [M, K], b = w [E, N, K]
+                return from_padded(jnp.einsum("eck,enk->ecn", a_ec, dense_f32(b), precision=HIGHEST), layout)
+            case "input_grad":  # a = dy [M, N], b = w [E, N, K]
+                return from_padded(jnp.einsum("ecn,enk->eck", a_ec, dense_f32(b), precision=HIGHEST), layout)
+            case "weight_grad":  # a = x [M, K], b = dy [M, N]
+                b_ec = to_padded(b, layout).astype(jnp.float32)
+                return jnp.einsum("ecn,eck->enk", b_ec, a_ec, precision=HIGHEST)
+        raise ValueError(op)
+    return fn
+
+
+def kernel_gemm(op: str, cc: int, interpret: bool):
+    """Our kernel for ``op``: ``(a, b, group_sizes) -> out`` (operands as in :func:`reference_gemm`)."""
+    import pallas_kernels.grouped_matmul as gmm  # noqa: PLC0415
+
+    name = KERNEL_NAMES[op]
+    if not hasattr(gmm, name):
+        raise NotImplementedError(f"pallas_kernels.grouped_matmul has no {name} (yet)")
+    kernel = getattr(gmm, name)
+    # bf16 weight gradients, as the step writes them for bf16 weights and as torch writes them.
+    extra = {"out_dtype": jnp.bfloat16} if op == "weight_grad" else {}
+    return lambda a, b, g: kernel(a, b, g, compute_capability=cc, interpret=interpret, **extra)
+
+
+def torch_step(wrt_weights: bool):
+    """The SwiGLU expert MLP with ``torch._grouped_mm`` (autograd: torch's own derivatives)."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    def fn(x, w_gu, w_d, offs, dy):
+        h = torch._grouped_mm(x, w_gu.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, w_d.transpose(1, 2), offs=offs)
+        inputs = (x, w_gu, w_d) if wrt_weights else (x,)
+        return y, torch.autograd.grad(y, inputs, dy)
+    return fn
+
+
+def torch_gemm(op: str):
+    """``torch._grouped_mm`` for the same three products (the weight gradient as torch's own
+    backward computes it: ``x^T dy`` per group, ``[E, K, N]``, returned as a transposed view)."""
+    import torch  # noqa: PLC0415
+
+    def fn(a, b, offs):
+        match op:
+            case "forward":
+                return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+            case "input_grad":
+                return torch._grouped_mm(a, b, offs=offs)
+            case "weight_grad":
+                return torch._grouped_mm(a.t(), b, offs=offs).transpose(1, 2)
+        raise ValueError(op)
+    return fn
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Context:
+    cc: int
+    interpret: bool
+    have_torch: bool
+    iters: int
+    windows: int
+    xla_iters: int
+    torch_runs: int
+    max_err: float
+    ref_options: dict  # compiler options for the (untimed) dense references
+    xla_rows: tuple
+    started: float
+    budget_s: float | None
+
+    def over_budget(self) -> bool:
+        return self.budget_s is not None and time.time() - self.started > self.budget_s
+
+
+def compile_and_run(fn, args, options=None):
+    """(outputs, compile seconds) of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled."""
+    start = time.perf_counter()
+    try:
+        compiled = jax.jit(fn).lower(*args).compile(options or {})
+    except Exception:  # noqa: BLE001 -- an option this backend lacks: compile without it.
+        if not options:
+            raise
+        compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    return jax.block_until_ready(compiled(*args)), compile_s
+
+
+@jax.jit
+def _rel_errs(out, ref):
+    def rel(a, b):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return jnp.linalg.norm((a - b).ravel()) / jnp.maximum(jnp.linalg.norm(b.ravel()), 1e-30)
+    return {name: rel(out[name], ref[name]) for name in ref}
+
+
+def rel_errs(out: dict, ref: dict) -> dict:
+    return {name: float(v) for name, v in _rel_errs({n: out[n] for n in ref}, ref).items()}
+
+
+def check(row: dict, errs: dict, max_err: float) -> bool:
+    """Records the errors; False (and why, in ``row["error"]``) when any is above the bound."""
+    row["errs"] = errs
+    row["err"] = max(errs.values()) if errs else None
+    worst = row["err"]
+    if worst is None or not math.isfinite(worst) or worst > max_err:
+        row["error"] = f"wrong: relative error {worst!r} > {max_err} ({errs}); not timed"
+        return False
+    return True
+
+
+def failed(row: dict, err: BaseException) -> None:
+    msg = str(err).strip().splitlines()[0][:400] if str(err).strip() else ""
+    row["error"] = f"{type(err).__name__}: {msg}"
+    if os.environ.get("TRAIN_STEP_TRACEBACK"):
+        traceback.print_exc()
+
+
+def say(row: dict, what: str) -> None:
+    if "ms" in row:
+        status = f"{row['ms']:10.3f} ms  err {row.get('err', float('nan')):.2e}"
+        if row.get("err_vs_xla") is not None:
+            status += f"  vs xla {row['err_vs_xla']:.2e}"
+        status += f"  (compile {row.get('compile_s', 0):.1f}s)"
+    else:
+        status = "ERROR " + row.get("error", "?")
+    print(f"  {what:<56} {status}", flush=True)
+
+
+def step_flops(shape: dict, rows: int, wrt_weights: bool) -> float:
+    """Model FLOPs: the forward's three products (6 M H F), then dX (the same again) and dW."""
+    forward = 6.0 * rows * shape["hidden"] * shape["intermediate"]
+    return forward * (3 if wrt_weights else 2)
+
+
+_FUNCTIONS: dict = {}
+
+
+def cached(key, make):
+    """One function object per ``key``, so that ``jax.jit`` finds it compiled for shapes it saw."""
+    if key not in _FUNCTIONS:
+        _FUNCTIONS[key] = make()
+    return _FUNCTIONS[key]
+
+
+def step_base(case: Case, shape: dict) -> dict:
+    wrt = case.fmt == "bf16"
+    return {"kind": "step", **case.keys, "grads": "x, w" if wrt else "x (frozen weights)",
+            "flops": step_flops(shape, case.rows, wrt)}
+
+
+def step_reference(case: Case, ctx: Context) -> dict:
+    wrt = case.fmt == "bf16"
+    fn = cached(("dense step", wrt), lambda: vjp_step(dense_mlp, wrt))
+    return compile_and_run(fn, (case.x, case.weights, case.layout, case.dy), ctx.ref_options)[0]
+
+
+def registered_step(impl: str, case: Case, plans: dict):
+    plan = plans[impl]
+    if isinstance(plan, Exception):
+        raise plan
+    wrt = case.fmt == "bf16"
+    return cached(("step", impl, case.fmt), lambda: vjp_step(registered_apply(impl, plan), wrt))
+
+
+def _tflops(rows: list[dict]) -> list[dict]:
+    for row in rows:
+        if "ms" in row:
+            row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+    return rows
+
+
+def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
+    """The expert MLP step with ``pallas`` and torch, each checked against the dense reference
+    before it is timed (``xla``, slow, comes later: :func:`xla_step_row`)."""
+    base = step_base(case, shape)
+    args = (case.x, case.weights, jnp.asarray(case.sizes), case.dy)
+    ref = step_reference(case, ctx)
+    row = {**base, "impl": "pallas", "reference": "dense"}
+    out = [row]
+    try:
+        fn = registered_step("pallas", case, plans)
+        result, row["compile_s"] = compile_and_run(fn, args)
+        ok = check(row, rel_errs(result, ref), ctx.max_err)
+        del result
+        if ok:
+            seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.iters, windows=ctx.windows)
+            row["ms"] = seconds * 1e3
+    except Exception as err:  # noqa: BLE001 -- recorded in the results, never hidden
+        failed(row, err)
+    say(row, f"step pallas {case.tag}")
+    if ctx.have_torch:
+        row = {**base, "impl": "torch", "reference": "dense"}
+        out.append(row)
+        try:
+            row.update(torch_step_row(case, ref, case.fmt == "bf16", ctx))
+        except Exception as err:  # noqa: BLE001
+            failed(row, err)
+        say(row, f"step torch {case.tag}")
+    return _tflops(out)
+
+
+def xla_step_row(case: Case, shape: dict, ctx: Context, plans: dict, pallas_row: dict | None) -> dict:
+    """The ``xla`` reference path's step, checked against the dense reference and timed; the
+    ``pallas`` row of the same configuration gets its error against ``xla``'s outputs."""
+    args = (case.x, case.weights, jnp.asarray(case.sizes), case.dy)
+    row = {**step_base(case, shape), "impl": "xla", "reference": "dense"}
+    try:
+        ref = step_reference(case, ctx)
+        fn = registered_step("xla", case, plans)
+        result, row["compile_s"] = compile_and_run(fn, args)
+        ok = check(row, rel_errs(result, ref), ctx.max_err)
+        del ref
+        if ok and pallas_row is not None and "err" in pallas_row:
+            # Compiled in step_rows already: the cache has it.
+            pallas_out, _ = compile_and_run(registered_step("pallas", case, plans), args)
+            pallas_row["errs_vs_xla"] = rel_errs(pallas_out, result)
+            pallas_row["err_vs_xla"] = max(pallas_row["errs_vs_xla"].values())
+            del pallas_out
+        del result
+        if ok:
+            seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.xla_iters, windows=ctx.windows)
+            row["ms"] = seconds * 1e3
+    except Exception as err:  # noqa: BLE001
+        failed(row, err)
+    say(row, f"step xla {case.tag}")
+    return _tflops([row])[0]
+
+
+def _torch(a):
+    import torch  # noqa: PLC0415
+
+    return torch.from_dlpack(a)
+
+
+def _torch_rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def torch_step_row(case: Case, ref: dict, wrt: bool, ctx: Context) -> dict:
+    import torch  # noqa: PLC0415
+
+    offs = _torch(jnp.cumsum(jnp.asarray(case.sizes)).astype(jnp.int32))
+    x = _torch(case.x).requires_grad_(True)
+    w_gu = _torch(dense_bf16(case.weights["w_gate_up_egh"])).requires_grad_(wrt)
+    w_d = _torch(dense_bf16(case.weights["w_down_ehf"])).requires_grad_(wrt)
+    dy = _torch(case.dy)
+    fn = torch_step(wrt)
+    y, grads = fn(x, w_gu, w_d, offs, dy)
+    torch.cuda.synchronize()
+    got = {"y": y, "dx": grads[0]}
+    if wrt:
+        got.update(dw_gate_up=grads[1], dw_down=grads[2])
+    errs = {name: _torch_rel(got[name], _torch(ref[name])) for name in got}
+    row: dict = {}
+    del y, grads, got
+    if check(row, errs, ctx.max_err):
+        row["ms"] = grouped_gemm.time_torch(fn, [(x, w_gu, w_d, offs, dy)], ctx.torch_runs)
+    torch.cuda.empty_cache()
+    return row
+
+
+def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
+    """Each grouped GEMM alone: ours and torch's, checked against fp32 per-expert products."""
+    out = []
+    g = jnp.asarray(case.sizes)
+    ops = GEMM_OPS if case.fmt == "bf16" else ("forward", "input_grad")  # NVFP4 weights are frozen
+    for projection, (n, k) in projections(shape).items():
+        key = jax.random.key(case.rows * 31 + n + k)
+        x = case.x if k == shape["hidden"] else jax.random.normal(key, (case.rows, k), jnp.bfloat16)
+        dy = jax.random.normal(jax.random.fold_in(key, 1), (case.rows, n), jnp.bfloat16)
+        w = case.weights["w_gate_up_egh" if projection == "gate_up" else "w_down_ehf"]
+        for op in ops:
+            a, b = {"forward": (x, w), "input_grad": (dy, w), "weight_grad": (x, dy)}[op]
+            base = {"kind": "gemm", **case.keys, "projection": projection, "op": op, "n": n, "k": k,
+                    "flops": 2.0 * case.rows * n * k}
+            ref, _ = compile_and_run(cached(("ref gemm", op), lambda: reference_gemm(op)), (a, b, case.layout),
+                                     ctx.ref_options)
+            row = {**base, "impl": "pallas"}
+            out.append(row)
+            try:
+                fn = cached(("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))
+                result, row["compile_s"] = compile_and_run(fn, (a, b, g))
+                ok = check(row, {"out": max(rel_errs({"out": result}, {"out": ref}).values())}, ctx.max_err)
+                del result
+                if ok:
+                    seconds, _ = expert_parallel.timed(fn, a, b, g, iters=ctx.iters, windows=ctx.windows)
+                    row["ms"] = seconds * 1e3
+            except Exception as err:  # noqa: BLE001
+                failed(row, err)
+            say(row, f"gemm pallas {op} {projection} {case.tag}")
+            if ctx.have_torch and case.fmt == "bf16":
+                row = {**base, "impl": "torch"}
+                out.append(row)
+                try:
+                    offs = _torch(jnp.cumsum(g).astype(jnp.int32))
+                    ta, tb = _torch(a), _torch(b)
+                    fn = torch_gemm(op)
+                    if check(row, {"out": _torch_rel(fn(ta, tb, offs), _torch(ref))}, ctx.max_err):
+                        row["ms"] = grouped_gemm.time_torch(fn, [(ta, tb, offs)], ctx.torch_runs)
+                except Exception as err:  # noqa: BLE001
+                    failed(row, err)
+                say(row, f"gemm torch {op} {projection} {case.tag}")
+            del ref
+    return _tflops(out)
+
+
+def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
+    """``moe_forward`` + VJP under ``jax.jit`` at each EP size: ``pallas``, and ``xla`` (the
+    reference its gradients are checked against) at the sizes in ``--xla-rows``; rows are
+    appended to ``out`` (and saved) as they come."""
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    import sharding  # noqa: PLC0415
+    from moe_jax import MoEConfig, moe_forward, random_params, resolve  # noqa: PLC0415
+
+    devices = jax.devices()
+    for ep in args.ep:
+        for rows in args.rows:
+            tokens = ep * rows // shape["top_k"]
+            base = {"kind": "layer", "ep": ep, "rows": rows, "tokens": tokens, "weights": "bf16",
+                    "experts_per_device": shape["experts"]}
+            if ctx.over_budget():
+                out.append({**base, "impl": "-", "error": "skipped: --budget-s spent"})
+                continue
+            if len(devices) < ep:
+                out.append({**base, "impl": "-", "error": f"needs {ep} devices, found {len(devices)}"})
+                say(out[-1], f"layer EP={ep} M={rows}")
+                continue
+            config = MoEConfig.kimi_k2(num_experts=shape["experts"] * ep, top_k=shape["top_k"],
+                                       hidden_size=shape["hidden"], expert_intermediate_size=shape["intermediate"],
+                                       interpret=ctx.interpret)
+            mesh = sharding.make_mesh(ep, devices=devices[:ep]) if ep > 1 else None
+            target = mesh if mesh is not None else devices[:1]
+            key = jax.random.key(ep * 7919 + rows)
+            ref = None
+            try:
+                params_plan = resolve(dataclasses.replace(config, expert_gemm="xla"), target, training=True)
+                params = random_params(config, key, params_plan)
+                x = jax.random.normal(jax.random.fold_in(key, 1), (tokens, shape["hidden"]), jnp.bfloat16)
+                dy = jax.random.normal(jax.random.fold_in(key, 2), (tokens, shape["hidden"]), jnp.bfloat16)
+                if mesh is not None:  # tokens over every mesh axis, as the layer splits them
+                    tokens_spec = P(tuple(mesh.axis_names))
+                    x, dy = (jax.device_put(a, NamedSharding(mesh, tokens_spec)) for a in (x, dy))
+            except Exception as err:  # noqa: BLE001
+                row = {**base, "impl": "-"}
+                failed(row, err)
+                out.append(row)
+                say(row, f"layer EP={ep} M={rows}")
+                continue
+            for impl in (["xla"] if rows in ctx.xla_rows else []) + ["pallas"]:
+                row = {**base, "impl": impl}
+                out.append(row)
+                try:
+                    plan = resolve(dataclasses.replace(config, expert_gemm=impl), target, training=True,
+                                   tokens_per_device=tokens // ep)
+                    row["exchange"] = plan.exchange
+
+                    def step(params, x, dy, plan=plan):
+                        y, pull = jax.vjp(lambda p, x: moe_forward(p, x, plan)[0], params, x)
+                        dp, dx = pull(dy)
+                        return {"y": y, "dx": dx, "dw_gate_up": dp["experts"]["w_gate_up_egh"],
+                                "dw_down": dp["experts"]["w_down_ehf"], "dw_router": dp["router"]["w_eh"]}
+
+                    result, row["compile_s"] = compile_and_run(step, (params, x, dy))
+                    bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
+                    if bad:
+                        raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")
+                    if impl == "xla":
+                        ref, row["reference"], ok = result, "is the reference", True
+                    elif ref is not None:
+                        ok = check(row, rel_errs(result, ref), ctx.max_err)
+                    else:
+                        ok, row["reference"] = True, "none at this size (xla not run; see the step rows)"
+                    del result
+                    if ok:
+                        iters = ctx.xla_iters if impl == "xla" else ctx.iters
+                        seconds, _ = expert_parallel.timed(step, params, x, dy, iters=iters, windows=ctx.windows)
+                        row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds)
+                except Exception as err:  # noqa: BLE001
+                    failed(row, err)
+                say(row, f"layer {impl} EP={ep} M={rows}/device")
+                save()
+            del params, x, dy, ref
+
+
+# --- targets, report, plot --------------------------------------------------------------------
+
+
+def targets(data: dict) -> list[dict]:
+    """The issue's two targets on every configuration measured (a pure function of the rows)."""
+    out = []
+
+    def add(name, value, goal, detail):
+        out.append({"target": name, "value": value, "goal": goal,
+                    "met": value is not None and value >= goal, "detail": detail})
+
+    def same(a, b, fields):
+        return all(a.get(f) == b.get(f) for f in fields)
+
+    gemms = [r for r in data["gemms"] if r["impl"] == "pallas"]
+    for row in gemms:
+        if row["op"] == "forward":
+            continue
+        fwd = next((f for f in gemms if f["op"] == "forward"
+                    and same(f, row, ("projection", "weights", "routing", "rows"))), None)
+        value = fwd["ms"] / row["ms"] if fwd and "ms" in fwd and "ms" in row else None
+        add(f"backward GEMM ({row['op']}) >= {BACKWARD_GOAL}x forward TFLOP/s", value, BACKWARD_GOAL,
+            f"{row['projection']} {row['weights']} {row['routing']} M={row['rows']}")
+    steps = data["steps"]
+    for row in steps:
+        if row["impl"] != "pallas":
+            continue
+        peer = next((t for t in steps if t["impl"] == "torch"
+                     and same(t, row, ("weights", "grads", "routing", "rows"))), None)
+        value = peer["ms"] / row["ms"] if peer and "ms" in peer and "ms" in row else None
+        add(f"step >= {TORCH_GOAL}x torch._grouped_mm (torch time / ours)", value, TORCH_GOAL,
+            f"{row['weights']} grads {row['grads']} {row['routing']} M={row['rows']}")
+    return out
+
+
+def _num(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def _note(row):
+    return row.get("error", "").replace("|", "/")[:160]
+
+
+def markdown(data: dict) -> str:
+    meta = data["meta"]
+    shape = meta["shape"]
+    lines = [
+        f"# MoE training step: {meta['device']}",
+        "",
+        f"- date: {meta['date']}; commit: {meta['commit']} (dirty: {meta['dirty']})",
+        f"- command: `{meta['command']}`",
+        f"- versions: {meta['versions']}",
+        f"- shape: {shape['experts']} local experts, hidden {shape['hidden']}, expert intermediate "
+        f"{shape['intermediate']}, top-{shape['top_k']}",
+        f"- timing: {meta['timing']}",
+        f"- correctness: {meta['correctness']}",
+    ]
+    if meta.get("smoke"):
+        lines.append("- **smoke run** (CPU, interpreted kernels, tiny shapes): the times mean nothing")
+    if meta.get("skipped"):
+        lines.append(f"- skipped: {'; '.join(meta['skipped'])}")
+    lines += [
+        "",
+        "## Expert MLP step (forward + backward)",
+        "",
+        "err: largest relative Frobenius error over y, dX and each dW against the dense reference; "
+        "vs xla: the same against `xla`'s outputs. TFLOP/s counts the model's products "
+        "(6 M H F forward, as much again for dX and for dW).",
+        "",
+        "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | err | vs xla | torch / this | note |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {"pallas": 0, "torch": 1, "xla": 2}
+    steps = sorted(data["steps"], key=lambda r: (r["weights"] != "bf16", r["routing"] != "uniform", r["rows"],
+                                                  order.get(r["impl"], 3)))
+    for row in steps:
+        peer = next((t for t in data["steps"] if t["impl"] == "torch" and all(
+            t[f] == row[f] for f in ("weights", "grads", "routing", "rows"))), None)
+        ratio = peer["ms"] / row["ms"] if peer and "ms" in peer and "ms" in row and row["impl"] != "torch" else None
+        lines.append(
+            f"| {row['weights']} | {row['grads']} | {row['routing']} | {row['rows']} | {row['impl']} | "
+            f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tflops'), '.0f')} | {_num(row.get('err'), '.1e')} | "
+            f"{_num(row.get('err_vs_xla'), '.1e')} | {_num(ratio, '.2f')} | {_note(row)} |")
+    lines += [
+        "",
+        "## Grouped GEMMs alone",
+        "",
+        "forward: `x W_e^T`; input_grad: `dy W_e` (dX); weight_grad: `dy_e^T x_e` (dW; ours writes bf16, "
+        "torch bf16). vs forward: this op's TFLOP/s over the same implementation's forward.",
+        "",
+        "| projection | N | K | weights | routing | M | op | impl | time (us) | TFLOP/s | vs forward | err | note |",
+        "|---|---:|---:|---|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row in data["gemms"]:
+        fwd = next((f for f in data["gemms"] if f["op"] == "forward" and all(
+            f[k] == row[k] for k in ("impl", "projection", "weights", "routing", "rows"))), None)
+        ratio = fwd["ms"] / row["ms"] if fwd and "ms" in fwd and "ms" in row and row["op"] != "forward" else None
+        ms = row.get("ms")
+        lines.append(
+            f"| {row['projection']} | {row['n']} | {row['k']} | {row['weights']} | {row['routing']} | {row['rows']} | "
+            f"{row['op']} | {row['impl']} | {_num(None if ms is None else ms * 1e3, '.1f')} | "
+            f"{_num(row.get('tflops'), '.0f')} | {_num(ratio, '.2f')} | {_num(row.get('err'), '.1e')} | {_note(row)} |")
+    if data["layers"]:
+        lines += [
+            "",
+            "## Whole layer step (`moe_forward` + VJP under `jax.jit`)",
+            "",
+            "| EP | rows/device | tokens | impl | exchange | time (ms) | tokens/s | err vs xla | note |",
+            "|---:|---:|---:|---|---|---:|---:|---:|---|",
+        ]
+        for row in data["layers"]:
+            lines.append(
+                f"| {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | {row.get('exchange', '-')} | "
+                f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
+                f"{_num(row.get('err'), '.1e')} | {_note(row)} |")
+    lines += ["", "## Targets (issue 8, item 5)", "", "| target | case | value | goal | met |",
+              "|---|---|---:|---:|---|"]
+    for goal in data["targets"]:
+        lines.append(f"| {goal['target']} | {goal['detail']} | {_num(goal['value'], '.2f')} | {goal['goal']} | "
+                     f"{'yes' if goal['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict, path: pathlib.Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    series = {}
+    for row in data["steps"]:
+        if "tflops" in row:
+            label = f"{row['impl']} {row['weights']} {row['routing']}"
+            series.setdefault(label, []).append((row["rows"], row["tflops"]))
+    for label, pts in series.items():
+        ax1.plot(*zip(*sorted(pts)), marker="o", label=label)
+    ax1.set_title("expert MLP step (forward + backward)")
+    ax1.set_ylabel("model TFLOP/s")
+    series = {}
+    for row in data["gemms"]:
+        if "tflops" in row and row["routing"] == "uniform":
+            label = f"{row['impl']} {row['weights']} {row['projection']} {row['op']}"
+            series.setdefault(label, []).append((row["rows"], row["tflops"]))
+    for label, pts in series.items():
+        ax2.plot(*zip(*sorted(pts)), marker="o", ls="-" if label.startswith("pallas") else "--", label=label)
+    ax2.set_title("grouped GEMMs alone (uniform routing)")
+    ax2.set_ylabel("TFLOP/s")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows M")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "nothing timed", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"{data['meta']['device']}, {data['meta']['date']}, {data['meta']['commit'][:12]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(out: pathlib.Path, data: dict, *, with_plot: bool) -> str:
+    data["targets"] = targets(data)
+    (out / "train_step.json").write_text(json.dumps(data, indent=1, default=str))
+    table = markdown(data)
+    (out / "train_step.md").write_text(table)
+    if with_plot:
+        plot(data, out / "train_step.png")
+    return table
+
+
+# --- provenance ---------------------------------------------------------------------------------
+
+
+def _git(*argv) -> str | None:
+    try:
+        proc = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def provenance(commit_arg: str | None) -> tuple[str, str]:
+    """(commit, dirty): ``--commit``, else ``$GIT_COMMIT``, else git; dirty from ``$GIT_DIRTY``
+    or ``git status`` (as ``tools/gpu_check.sh`` does), else unknown."""
+    commit = commit_arg or os.environ.get("GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
+    dirty = os.environ.get("GIT_DIRTY")
+    if dirty is not None:
+        dirty = "0" if dirty in ("0", "no", "false") else "1"
+    elif not (commit_arg or os.environ.get("GIT_COMMIT")) and (status := _git("status", "--porcelain",
+                                                                                "--untracked-files=no")) is not None:
+        dirty = "1" if status else "0"
+    else:
+        dirty = "unknown"
+    return commit, dirty
+
+
+def versions(have_torch: bool) -> str:
+    import jaxlib  # noqa: PLC0415
+
+    parts = [f"python {platform.python_version()}", f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}"]
+    try:
+        import triton  # noqa: PLC0415
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        parts.append("triton none")
+    if have_torch:
+        import torch  # noqa: PLC0415
+
+        parts.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)})")
+    else:
+        parts.append("torch not run (--smoke, or not importable with CUDA)")
+    return ", ".join(parts)
+
+
+TIMING = ("JAX: expert_parallel.timed, compiled once, 2 warm-up calls, median of {windows} windows of {iters} "
+          "back-to-back calls ({xla_iters} for xla), wall time per call; torch: grouped_gemm.time_torch, CUDA "
+          "events, median of {torch_runs} calls after a warm-up; one input set per configuration")
+CORRECTNESS = ("before timing, every implementation's outputs against a dense per-expert reference (zero-padded "
+               "[E, max rows, .] blocks, einsum, fp32 accumulation; the GEMMs in fp32 with exact NVFP4), largest "
+               "relative Frobenius error over y, dX, dW; above {max_err} a row gets no time")
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder (default: $OUT)")
+    parser.add_argument("--rows", type=int, nargs="+",
+                        help=f"rows M after routing (default {' '.join(map(str, ROWS))})")
+    parser.add_argument("--nvfp4", action="store_true", help="also NVFP4 frozen weights (dX only)")
+    parser.add_argument("--skewed", action="store_true", help="also Zipf-skewed routing")
+    parser.add_argument("--layer", action="store_true", help="also the whole layer step (moe_forward + VJP)")
+    parser.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes of the layer rows")
+    parser.add_argument("--xla-rows", type=int, nargs="*", default=None,
+                        help="rows at which the xla path runs (default: all of --rows; it is slow: dense expansion)")
+    parser.add_argument("--skip-gemms", action="store_true", help="no GEMM-alone rows")
+    parser.add_argument("--iters", type=int, default=10, help="calls per timing window")
+    parser.add_argument("--windows", type=int, default=5, help="timing windows (median)")
+    parser.add_argument("--xla-iters", type=int, default=2, help="calls per window for the xla path")
+    parser.add_argument("--torch-runs", type=int, default=20, help="timed torch calls (median)")
+    parser.add_argument("--max-err", type=float, default=MAX_ERR, help="largest relative error a timed row may have")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new configuration after this many seconds (what ran is written)")
+    parser.add_argument("--commit", default=None, help="git commit measured (default: $GIT_COMMIT, else git)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: tiny shapes, interpreted kernels, 1 call per window, no torch")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        if not os.environ.get("OUT"):
+            parser.error("--out is required (or set $OUT)")
+        args.out = pathlib.Path(os.environ["OUT"])
+    if args.rows is None:
+        args.rows = list(SMOKE_ROWS if args.smoke else ROWS)
+    if args.xla_rows is None:
+        args.xla_rows = list(args.rows)
+    if args.smoke:
+        args.iters, args.windows, args.xla_iters, args.torch_runs = 1, 1, 1, 2
+    for name in ("iters", "windows", "xla_iters", "torch_runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    shape = SMOKE if args.smoke else KIMI
+    device = jax.devices()[0]
+    interpret = args.smoke or device.platform != "gpu"
+    from moe_jax.experts import INTERPRET_CAPABILITY  # noqa: PLC0415
+
+    cc = INTERPRET_CAPABILITY if interpret else grouped_gemm.capability(device)
+    have_torch = not args.smoke and grouped_gemm._torch_available()
+    ctx = Context(cc=cc, interpret=interpret, have_torch=have_torch, iters=args.iters, windows=args.windows,
+                  xla_iters=args.xla_iters, torch_runs=args.torch_runs, max_err=args.max_err,
+                  # The untimed references skip XLA's GEMM autotuning (seconds per shape at these sizes).
+                  ref_options={"xla_gpu_autotune_level": 0} if device.platform == "gpu" else {},
+                  xla_rows=tuple(args.xla_rows), started=started, budget_s=args.budget_s)
+    commit, dirty = provenance(args.commit)
+    env = {k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "XLA_FLAGS") or
+           k.startswith("XLA_PYTHON_CLIENT_")}
+    data = {
+        "meta": {
+            "device": f"{len(jax.devices())} x {device.device_kind}", "platform": device.platform,
+            "compute_capability": None if interpret else cc, "interpret": interpret, "smoke": args.smoke,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python " + shlex.join(sys.argv), "env": env, "commit": commit, "dirty": dirty,
+            "versions": versions(have_torch), "shape": shape,
+            "timing": TIMING.format(windows=args.windows, iters=args.iters, xla_iters=args.xla_iters,
+                                    torch_runs=args.torch_runs),
+            "correctness": CORRECTNESS.format(max_err=args.max_err),
+            "max_err": args.max_err, "args": {k: str(v) if isinstance(v, pathlib.Path) else v
+                                              for k, v in vars(args).items()},
+            "skipped": [], "group_sizes": {},
+        },
+        "steps": [], "gemms": [], "layers": [], "targets": [],
+    }
+    save = lambda: write(args.out, data, with_plot=False)  # noqa: E731
+    print(f"{data['meta']['device']}, commit {commit}, {data['meta']['versions']}", flush=True)
+
+    from moe_jax import MoEConfig, ResolutionError, resolve  # noqa: PLC0415
+
+    config = MoEConfig.kimi_k2(num_experts=shape["experts"], top_k=shape["top_k"], hidden_size=shape["hidden"],
+                               expert_intermediate_size=shape["intermediate"], interpret=interpret)
+    formats = ["bf16"] + (["nvfp4"] if args.nvfp4 else [])
+    routings = ["uniform"] + (["zipf"] if args.skewed else [])
+    plans = {}
+    for fmt in formats:
+        plans[fmt] = {}
+        for impl in ("xla", "pallas"):
+            try:
+                plans[fmt][impl] = resolve(dataclasses.replace(config, weight_format=fmt, expert_gemm=impl),
+                                           [device], training=True)
+            except ResolutionError as err:
+                plans[fmt][impl] = err
+
+    def make_case(fmt, weights, rows, routing):
+        rng = np.random.default_rng([args.seed, rows, ROUTINGS.index(routing)])
+        sizes = group_sizes(rows, shape["experts"], routing, rng)
+        data["meta"]["group_sizes"][f"{routing} M={rows}"] = sizes.tolist()
+        key = jax.random.key(args.seed * 7919 + rows)
+        x = jax.random.normal(key, (rows, shape["hidden"]), jnp.bfloat16)
+        dy = jax.random.normal(jax.random.fold_in(key, 1), (rows, shape["hidden"]), jnp.bfloat16)
+        return Case(rows, fmt, routing, sizes, x, dy, weights, padded_layout(sizes))
+
+    # Pallas and torch first, xla (slow) after all of them, so that a budget cuts what matters least.
+    for fmt in formats:
+        weights = make_weights(shape, fmt, args.seed)
+        for rows in args.rows:
+            for routing in routings:
+                if ctx.over_budget():
+                    data["meta"]["skipped"].append(f"{fmt} {routing} M={rows} (--budget-s spent)")
+                    continue
+                case = make_case(fmt, weights, rows, routing)
+                print(f"{case.tag} (active experts {case.keys['active_experts']}, largest group "
+                      f"{case.keys['max_group']}) at {time.time() - started:.0f}s", flush=True)
+                data["steps"] += step_rows(case, shape, ctx, plans[fmt])
+                save()
+                if not args.skip_gemms:
+                    if ctx.over_budget():
+                        data["meta"]["skipped"].append(f"GEMMs {case.tag} (--budget-s spent)")
+                    else:
+                        data["gemms"] += gemm_rows(case, shape, ctx)
+                        save()
+                del case
+        del weights
+    for fmt in formats:
+        weights = make_weights(shape, fmt, args.seed)
+        for rows in [r for r in args.rows if r in ctx.xla_rows]:
+            for routing in routings:
+                if ctx.over_budget():
+                    data["meta"]["skipped"].append(f"xla step {fmt} {routing} M={rows} (--budget-s spent)")
+                    continue
+                case = make_case(fmt, weights, rows, routing)
+                pallas_row = next((r for r in data["steps"] if r["impl"] == "pallas" and all(
+                    r[k] == case.keys[k] for k in ("weights", "routing", "rows"))), None)
+                data["steps"].append(xla_step_row(case, shape, ctx, plans[fmt], pallas_row))
+                save()
+                del case
+        del weights
+    if args.layer:
+        layer_rows(args, shape, ctx, data["layers"], save)
+    data["meta"]["wall_s"] = time.time() - started
+    table = write(args.out, data, with_plot=True)
+    print(table)
+    print(f"done in {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""benchmarks/train_step.py runs end to end on CPU (``--smoke``: tiny shapes, interpreted kernels)
+and writes what its GPU runs will: every row checked against the dense reference, timed, finite."""
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pallas_kernels.grouped_matmul as pallas_gmm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "train_step.py"
+BACKWARD_KERNELS = ("grouped_matmul_input_grad", "grouped_matmul_weight_grad")
+HAVE_BACKWARD = all(hasattr(pallas_gmm, name) for name in BACKWARD_KERNELS)
+NO_BACKWARD = "pallas_kernels.grouped_matmul has no backward kernels yet"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("benchmarks_train_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(out: pathlib.Path, *flags: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GIT_COMMIT", "GIT_DIRTY")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--commit", "c0ffee", *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("train_step.json", "train_step.md", "train_step.png"):
+        assert (out / name).stat().st_size > 0, name
+    return json.loads((out / "train_step.json").read_text())
+
+
+def _check_timed(row: dict, bound: float) -> None:
+    assert "error" not in row, row
+    assert math.isfinite(row["ms"]) and row["ms"] > 0, row
+    if row.get("reference") == "is the reference":  # the layer's xla rows
+        return
+    assert math.isfinite(row["err"]) and row["err"] < bound, row
+
+
+def test_smoke_steps_and_gemms(tmp_path):
+    """bf16 and NVFP4 (frozen) expert MLP steps and every GEMM alone; provenance; the page."""
+    data = _run(tmp_path, "--nvfp4")
+    meta, bound = data["meta"], data["meta"]["max_err"]
+    assert meta["commit"] == "c0ffee" and meta["dirty"] == "unknown"
+    assert meta["smoke"] and meta["interpret"] and meta["platform"] == "cpu" and meta["device"] == "2 x cpu"
+    assert "--smoke" in meta["command"] and "train_step.py" in meta["command"]
+    assert "jax 0.11" in meta["versions"] and "torch not run" in meta["versions"]
+    # The page is what markdown() renders from the JSON (so committed results can be re-checked).
+    assert _load().markdown(data) == (tmp_path / "train_step.md").read_text()
+
+    xla = [row for row in data["steps"] if row["impl"] == "xla"]
+    assert [row["weights"] for row in xla] == ["bf16", "nvfp4"]
+    for row in xla:
+        _check_timed(row, bound)
+        assert row["reference"] == "dense"
+        assert set(row["errs"]) == ({"y", "dx", "dw_gate_up", "dw_down"} if row["weights"] == "bf16" else {"y", "dx"})
+    if not HAVE_BACKWARD:
+        pytest.skip(NO_BACKWARD)
+
+    for row in data["steps"] + data["gemms"]:
+        _check_timed(row, bound)
+    pallas = [row for row in data["steps"] if row["impl"] == "pallas"]
+    assert [row["weights"] for row in pallas] == ["bf16", "nvfp4"]
+    for row in pallas:
+        assert math.isfinite(row["err_vs_xla"]) and row["err_vs_xla"] < bound, row
+    assert [(r["projection"], r["weights"], r["op"]) for r in data["gemms"]] == [
+        *((p, "bf16", op) for p in ("gate_up", "down") for op in ("forward", "input_grad", "weight_grad")),
+        *((p, "nvfp4", op) for p in ("gate_up", "down") for op in ("forward", "input_grad"))]
+    # Both targets are evaluated for every configuration (torch's ratio is None without torch).
+    backward = [g for g in data["targets"] if g["target"].startswith("backward GEMM")]
+    assert len(backward) == 6 and all(g["value"] > 0 and g["goal"] == 0.9 for g in backward)
+    versus_torch = [g for g in data["targets"] if g["target"].startswith("step >=")]
+    assert len(versus_torch) == 2 and all(g["value"] is None and not g["met"] for g in versus_torch)
+
+
+def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
+    data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2")
+    bound = data["meta"]["max_err"]
+    assert not data["gemms"]
+    assert {(r["impl"], r["routing"]) for r in data["steps"]} == {
+        (i, r) for i in ("xla", "pallas") for r in ("uniform", "zipf")}
+    layers = data["layers"]
+    assert [(r["ep"], r["impl"]) for r in layers] == [(1, "xla"), (1, "pallas"), (2, "xla"), (2, "pallas")]
+    for row in data["steps"] + layers:
+        if row["impl"] == "xla":
+            _check_timed(row, bound)
+    assert layers[2]["exchange"] == "padded"
+    assert all(r["tokens"] == r["ep"] * r["rows"] // data["meta"]["shape"]["top_k"] for r in layers)
+    if not HAVE_BACKWARD:
+        pytest.skip(NO_BACKWARD)
+    for row in data["steps"] + layers:
+        _check_timed(row, bound)
+
+
+def test_group_sizes_and_padded_layout():
+    bench = _load()
+    rng = np.random.default_rng(0)
+    for routing in ("uniform", "zipf"):
+        sizes = bench.group_sizes(8192, 48, routing, rng)
+        assert sizes.dtype == np.int32 and sizes.shape == (48,) and sizes.sum() == 8192
+    sizes = np.array([3, 0, 5, 1], np.int32)
+    layout = bench.padded_layout(sizes)
+    x = np.arange(9, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    padded = np.asarray(bench.to_padded(x, layout))
+    assert padded.shape == (4, 5, 2)
+    np.testing.assert_array_equal(padded[0, :3, 0], [0, 1, 2])
+    np.testing.assert_array_equal(padded[1], 0)
+    np.testing.assert_array_equal(padded[2, :, 0], [3, 4, 5, 6, 7])
+    np.testing.assert_array_equal(padded[3, :, 0], [8, 0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(bench.from_padded(padded, layout)), x)
+
+
+def test_commit_comes_from_the_flag_then_the_environment(monkeypatch):
+    bench = _load()
+    monkeypatch.setenv("GIT_COMMIT", "envsha")
+    monkeypatch.setenv("GIT_DIRTY", "0")
+    assert bench.provenance("flagsha") == ("flagsha", "0")
+    assert bench.provenance(None) == ("envsha", "0")
+    monkeypatch.delenv("GIT_DIRTY")
+    assert bench.provenance(None) == ("envsha", "unknown")

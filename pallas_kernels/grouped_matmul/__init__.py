@@ -56,6 +56,9 @@ __all__ = ["gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "gro
 K_MULTIPLE = 64
 N_MULTIPLE = 16
 _FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
+# The transposed NVFP4 tile is dequantized with EXACT, whose selects hold the whole [bk, bn]
+# tile in registers: at the matmul's bk = 256 the SM100 decode kernel spilled 1,440 bytes.
+_TRANSPOSED_NVFP4_MAX_BLOCK_K = 128
 
 
 def grouped_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool = False,
@@ -96,7 +99,7 @@ def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability
       dy_mn: bf16 ``[M, N]``, the output cotangent.
       group_sizes_e: int32 ``[E]``; rows past the sum (padding) do not contribute, and an
         expert without rows gets zeros.
-      compute_capability: picks the tile (:data:`.tuning.WEIGHT_GRAD_TILES`).
+      compute_capability: picks the tile (:func:`.tuning.choose_weight_grad_tile`).
       interpret: Pallas interpret mode.
       out_dtype: float32 or bfloat16.
       out: optional ``[E, N, K]`` buffer of ``out_dtype`` aliased into the output (every element
@@ -121,7 +124,7 @@ def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability
     if m == 0:
         zeros = jnp.zeros((e, n, k), out_dtype)
         return (zeros, jnp.zeros((1,), jnp.int32)) if check_bounds else zeros
-    config = tuning.WEIGHT_GRAD_TILES[compute_capability]
+    config = tuning.choose_weight_grad_tile(num_rows=m, num_experts=e, compute_capability=compute_capability)
     spec = triton_backend.WeightGradSpec(
         config=config, num_experts=e, num_rows=m, n=n, k=k, block_n=tuning.fit_block(config.block_n, n, N_MULTIPLE),
         block_k=tuning.fit_block(config.block_k, k, N_MULTIPLE), out_dtype=np.dtype(out_dtype),
@@ -256,7 +259,9 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         dequant = Dequant.EXACT if interpret or transpose_w else Dequant.PTX
     spec = triton_backend.KernelSpec(
         variant=variant, weights=weights, op=op, dequant=dequant, config=config, num_rows=m, k=k, n_out=n_out,
-        block_k=tuning.fit_block(config.block_k, k, K_MULTIPLE),
+        block_k=tuning.fit_block(
+            min(config.block_k, _TRANSPOSED_NVFP4_MAX_BLOCK_K) if transpose_w and weights is WeightFormat.NVFP4
+            else config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
         max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
         scale_groups=scale_groups, check_bounds=check_bounds, transpose_w=transpose_w,

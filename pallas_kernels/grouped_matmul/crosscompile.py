@@ -19,11 +19,11 @@ from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, run
 from pallas_kernels.grouped_matmul.tuning import (
     SHARED_MEMORY_BYTES,
     TILE_TABLE,
-    WEIGHT_GRAD_TILES,
     Key,
     Op,
     Variant,
     WeightFormat,
+    choose_weight_grad_tile,
 )
 
 EXPERTS, HIDDEN, INTERMEDIATE = 48, 7168, 2048
@@ -86,9 +86,10 @@ def compile_config(capability: int, key: Key) -> Record:
 
 #: The backward kernels compiled per capability: the input gradient of the down projection
 #: (``dy [M, H] @ W_e [H, F]``, the matmul's tile entry, transposed) in each variant and format,
-#: and the weight gradient of the gate/up projection (``[E, 2F, H]`` float32).
+#: and the weight gradient of the gate/up projection (``[E, 2F, H]`` float32), both of its tiles.
 BACKWARD_KERNELS = (
     *(("input_grad", variant, weights) for variant in Variant for weights in WeightFormat),
+    ("weight_grad", Variant.DECODE, WeightFormat.BF16),
     ("weight_grad", Variant.PREFILL, WeightFormat.BF16),
 )
 
@@ -110,7 +111,9 @@ def compile_backward(capability: int, kernel: str, variant: Variant, weights: We
 
             args = (s((m, HIDDEN), jnp.bfloat16), _abstract_weights(weights, HIDDEN, INTERMEDIATE), group_sizes)
         case "weight_grad":
-            config = WEIGHT_GRAD_TILES[capability]
+            # DECODE compiles the few-rows tile, PREFILL the many-rows one (32768 rows over 48 experts).
+            m = 32768 if variant is Variant.PREFILL else m
+            config = choose_weight_grad_tile(num_rows=m, num_experts=EXPERTS, compute_capability=capability)
 
             def fn(x, dy, group_sizes):
                 return grouped_matmul_weight_grad(x, dy, group_sizes, compute_capability=capability)

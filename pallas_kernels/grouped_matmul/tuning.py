@@ -155,14 +155,27 @@ TILE_TABLE: dict[int, dict[Key, TileConfig]] = {
 
 
 # The weight gradient ``dW_e = dy_e^T x_e``: block_m rows per reduction step, a block_n x block_k
-# output tile (its fp32 accumulator). Sized to shared memory like the rows above, not swept.
-WEIGHT_GRAD_TILES: dict[int, TileConfig] = {
-    80: _prefill(64, 128, 128, 8, 3, group_t=1),
-    89: _prefill(32, 64, 128, 4, 3, group_t=1),
-    90: _prefill(64, 128, 128, 8, 3, group_t=1),
-    100: _prefill(64, 128, 128, 8, 3, group_t=1),
-    120: _prefill(32, 64, 128, 4, 3, group_t=1),
+# output tile (its fp32 accumulator); (few rows per expert, many rows per expert). The SM90 pair
+# was picked from a sweep on an H200 (benchmarks/results/train_step_h200/weight_grad_sweep.json:
+# 48 experts, Kimi K2's projections, 8192 and 32768 rows); the others are sized to each chip's
+# shared memory and registers, not measured (SM100/SM120 are cross-compiled in CI).
+WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
+    80: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 128, 8, 3, group_t=1)),
+    89: (_prefill(32, 64, 128, 4, 3, group_t=1), _prefill(32, 64, 128, 4, 3, group_t=1)),
+    90: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 256, 8, 3, group_t=1)),
+    100: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 256, 8, 3, group_t=1)),
+    120: (_prefill(32, 64, 128, 4, 3, group_t=1), _prefill(32, 64, 128, 4, 3, group_t=1)),
 }
+#: Rows per expert (on average) from which the weight gradient takes the second tile of its pair.
+WEIGHT_GRAD_MANY_ROWS = 512
+
+
+def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int) -> TileConfig:
+    """The weight-gradient tile: deeper row steps and a wider output tile once each expert has
+    about :data:`WEIGHT_GRAD_MANY_ROWS` rows (32768 rows over 48 experts), else the smaller one."""
+    check_capability(compute_capability)
+    few, many = WEIGHT_GRAD_TILES[compute_capability]
+    return many if num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts else few
 
 
 def weight_grad_shared_memory(config: TileConfig) -> int:

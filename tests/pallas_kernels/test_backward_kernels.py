@@ -164,8 +164,12 @@ def test_weight_grad_tiles_fit_shared_memory():
     from pallas_kernels.grouped_matmul import tuning
 
     assert set(tuning.WEIGHT_GRAD_TILES) == set(tuning.TILE_TABLE)
-    for capability, config in tuning.WEIGHT_GRAD_TILES.items():
-        assert tuning.weight_grad_shared_memory(config) <= tuning.SHARED_MEMORY_BYTES[capability], capability
+    for capability, configs in tuning.WEIGHT_GRAD_TILES.items():
+        for config in configs:
+            assert tuning.weight_grad_shared_memory(config) <= tuning.SHARED_MEMORY_BYTES[capability], capability
+    few, many = tuning.WEIGHT_GRAD_TILES[90]
+    assert tuning.choose_weight_grad_tile(num_rows=8192, num_experts=48, compute_capability=90) == few
+    assert tuning.choose_weight_grad_tile(num_rows=32768, num_experts=48, compute_capability=90) == many
 
 
 def test_bounds_check_sees_unclipped_groups_in_the_weight_grad(rng, monkeypatch):

@@ -638,22 +638,19 @@ def targets(data: dict) -> list[dict]:
     def same(a, b, fields):
         return all(a.get(f) == b.get(f) for f in fields)
 
+    def speedup(row, candidates, is_peer, keys):
+        """The peer's time over ``row``'s (a ratio of TFLOP/s at equal work), or None."""
+        peer = next((p for p in candidates if is_peer(p) and same(p, row, keys)), None)
+        return peer["ms"] / row["ms"] if peer and "ms" in peer and "ms" in row else None
+
     gemms = [r for r in data["gemms"] if r["impl"] == "pallas"]
-    for row in gemms:
-        if row["op"] == "forward":
-            continue
-        fwd = next((f for f in gemms if f["op"] == "forward"
-                    and same(f, row, ("projection", "weights", "routing", "rows"))), None)
-        value = fwd["ms"] / row["ms"] if fwd and "ms" in fwd and "ms" in row else None
+    for row in (r for r in gemms if r["op"] != "forward"):
+        value = speedup(row, gemms, lambda f: f["op"] == "forward", ("projection", "weights", "routing", "rows"))
         add(f"backward GEMM ({row['op']}) >= {BACKWARD_GOAL}x forward TFLOP/s", value, BACKWARD_GOAL,
             f"{row['projection']} {row['weights']} {row['routing']} M={row['rows']}")
     steps = data["steps"]
-    for row in steps:
-        if row["impl"] != "pallas":
-            continue
-        peer = next((t for t in steps if t["impl"] == "torch"
-                     and same(t, row, ("weights", "grads", "routing", "rows"))), None)
-        value = peer["ms"] / row["ms"] if peer and "ms" in peer and "ms" in row else None
+    for row in (r for r in steps if r["impl"] == "pallas"):
+        value = speedup(row, steps, lambda t: t["impl"] == "torch", ("weights", "grads", "routing", "rows"))
         add(f"step >= {TORCH_GOAL}x torch._grouped_mm (torch time / ours)", value, TORCH_GOAL,
             f"{row['weights']} grads {row['grads']} {row['routing']} M={row['rows']}")
     return out

@@ -51,13 +51,8 @@ def valid_rows(group_sizes_e, num_rows: int) -> int:
 
 def grouped_matmul(x_mk, w, group_sizes_e) -> np.ndarray:
     """float64 ``[S, N]``: row ``m`` of expert ``e`` times ``W_e^T``, for the ``S`` defined rows."""
-    x = np.asarray(x_mk).astype(np.float64)
     w_enk = dense_weights(w)
-    rows = valid_rows(group_sizes_e, x.shape[0])
-    out = np.zeros((rows, w_enk.shape[1]))
-    for e, start, end in _groups(group_sizes_e, rows):
-        out[start:end] = x[start:end] @ w_enk[e].T
-    return out
+    return _per_expert_rows(x_mk, group_sizes_e, w_enk.shape[1], lambda rows, e: rows @ w_enk[e].T)
 
 
 def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e) -> np.ndarray:
@@ -78,12 +73,17 @@ def _groups(group_sizes_e, rows: int):
 
 def grouped_matmul_input_grad(dy_mn, w, group_sizes_e) -> np.ndarray:
     """float64 ``[S, K]``: row ``m`` of expert ``e`` times ``W_e`` (the gradient with respect to x)."""
-    dy = np.asarray(dy_mn).astype(np.float64)
     w_enk = dense_weights(w)
-    rows = valid_rows(group_sizes_e, dy.shape[0])
-    out = np.zeros((rows, w_enk.shape[2]))
+    return _per_expert_rows(dy_mn, group_sizes_e, w_enk.shape[2], lambda rows, e: rows @ w_enk[e])
+
+
+def _per_expert_rows(a_mc, group_sizes_e, out_columns: int, product) -> np.ndarray:
+    """float64 ``[S, out_columns]``: ``product(rows, e)`` of each expert's defined rows of ``a_mc``."""
+    a = np.asarray(a_mc).astype(np.float64)
+    rows = valid_rows(group_sizes_e, a.shape[0])
+    out = np.zeros((rows, out_columns))
     for e, start, end in _groups(group_sizes_e, rows):
-        out[start:end] = dy[start:end] @ w_enk[e]
+        out[start:end] = product(a[start:end], e)
     return out
 
 

@@ -54,12 +54,9 @@ def assert_same_bits(traced, host, w32: np.ndarray, skip_matrices=()) -> None:
 
 
 @pytest.mark.gpu
-# The first fix (float64 divisions) was not bit-exact on the H200 (2026-12-01): 9 of 10
-# parametrizations differed in 2 to 42,803 of 29,360,128 packed bytes. The integer arithmetic
-# that replaced it has not run on a GPU before the record that this marker is read in; it stays
-# non-strict until a record shows XPASS (benchmarks/NOTES.md, "Quantizing inside jit on a GPU").
-@pytest.mark.xfail(reason="jitted NVFP4 quantization on a GPU: bit-exactness of the integer version not yet "
-                          "shown on a GPU (benchmarks/NOTES.md)", strict=False)
+# The first fix (float64 divisions) was not bit-exact here: on the H200, 9 of these 10 cases
+# differed in 2 to 42,803 of 29,360,128 packed bytes. The integer version matched in all 10 at
+# f63a2e1 (benchmarks/results/gpu_check.md).
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("case", WEIGHT_CASES)
 def test_quantize_inside_jit_on_the_gpu_gives_the_hosts_bits(rng, case, dtype):

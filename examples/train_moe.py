@@ -11,6 +11,8 @@ falls clearly; ``--order 2`` and more make the attention matter (and the task sl
 Load balancing is auxiliary-loss-free by default: after each step every layer's correction
 bias moves by ``--bias-rate`` against its load (``MoE.update_load_balance``). ``--aux-weight``
 and ``--z-weight`` add the Switch-Transformer load-balance loss and ST-MoE's router z-loss.
+``--qat`` trains the experts' bf16 masters through their NVFP4 quantization, made inside ``jit``
+every step (``MoEConfig(weight_format="nvfp4", qat=True)``).
 
 Devices: a mesh ``(data, expert)`` over all visible devices of this host (``--devices N``: the
 first N); the expert axis is the largest count dividing both the devices and ``--experts``, the

@@ -65,13 +65,13 @@ MGPU_SWEEP_ROWS = 32768
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def group_sizes(rows: int, routing: str, rng) -> np.ndarray:
-    """int32 [E] summing to ``rows``: multinomial over uniform or Zipf expert probabilities."""
+def group_sizes(rows: int, routing: str, rng, *, experts: int = EXPERTS) -> np.ndarray:
+    """int32 [experts] summing to ``rows``: multinomial over uniform or Zipf expert probabilities."""
     match routing:
         case "uniform":
-            p = np.full(EXPERTS, 1.0 / EXPERTS)
+            p = np.full(experts, 1.0 / experts)
         case "zipf":
-            p = 1.0 / np.arange(1, EXPERTS + 1) ** ZIPF_EXPONENT
+            p = 1.0 / np.arange(1, experts + 1) ** ZIPF_EXPONENT
             p = rng.permutation(p / p.sum())
         case _:
             raise ValueError(f"routing: {routing!r}")

@@ -79,7 +79,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import expert_parallel  # noqa: E402  (timed)
-import grouped_gemm  # noqa: E402  (time_torch, capability, _torch_available, ZIPF_EXPONENT)
+import grouped_gemm  # noqa: E402  (group_sizes, time_torch, capability, _torch_available)
 
 KIMI = {"experts": 48, "hidden": 7168, "intermediate": 2048, "top_k": 8}
 SMOKE = {"experts": 4, "hidden": 128, "intermediate": 64, "top_k": 2}
@@ -102,22 +102,6 @@ def projections(shape: dict) -> dict:
 
 
 # --- inputs -----------------------------------------------------------------------------------
-
-
-def group_sizes(rows: int, experts: int, routing: str, rng) -> np.ndarray:
-    """int32 [E] summing to ``rows``: multinomial over uniform or Zipf expert probabilities.
-
-    (``grouped_gemm.group_sizes`` with the number of experts as a parameter.)
-    """
-    match routing:
-        case "uniform":
-            p = np.full(experts, 1.0 / experts)
-        case "zipf":
-            p = 1.0 / np.arange(1, experts + 1) ** grouped_gemm.ZIPF_EXPONENT
-            p = rng.permutation(p / p.sum())
-        case _:
-            raise ValueError(f"routing: {routing!r}")
-    return rng.multinomial(rows, p).astype(np.int32)
 
 
 def make_weights(shape: dict, fmt: str, seed: int) -> dict:
@@ -249,10 +233,7 @@ def kernel_gemm(op: str, cc: int, interpret: bool):
     """Our kernel for ``op``: ``(a, b, group_sizes) -> out`` (operands as in :func:`reference_gemm`)."""
     import pallas_kernels.grouped_matmul as gmm  # noqa: PLC0415
 
-    name = KERNEL_NAMES[op]
-    if not hasattr(gmm, name):
-        raise NotImplementedError(f"pallas_kernels.grouped_matmul has no {name} (yet)")
-    kernel = getattr(gmm, name)
+    kernel = getattr(gmm, KERNEL_NAMES[op])
     # bf16 weight gradients, as the step writes them for bf16 weights and as torch writes them.
     extra = {"out_dtype": jnp.bfloat16} if op == "weight_grad" else {}
     return lambda a, b, g: kernel(a, b, g, compute_capability=cc, interpret=interpret, **extra)
@@ -314,12 +295,7 @@ class Context:
 def compile_and_run(fn, args, options=None):
     """(outputs, compile seconds) of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled."""
     start = time.perf_counter()
-    try:
-        compiled = jax.jit(fn).lower(*args).compile(options or {})
-    except Exception:  # noqa: BLE001 -- an option this backend lacks: compile without it.
-        if not options:
-            raise
-        compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jax.jit(fn).lower(*args).compile(options or {})
     compile_s = time.perf_counter() - start
     return jax.block_until_ready(compiled(*args)), compile_s
 
@@ -945,7 +921,7 @@ def main(argv=None):
 
     def make_case(fmt, weights, rows, routing):
         rng = np.random.default_rng([args.seed, rows, ROUTINGS.index(routing)])
-        sizes = group_sizes(rows, shape["experts"], routing, rng)
+        sizes = grouped_gemm.group_sizes(rows, routing, rng, experts=shape["experts"])
         data["meta"]["group_sizes"][f"{routing} M={rows}"] = sizes.tolist()
         key = jax.random.key(args.seed * 7919 + rows)
         x = jax.random.normal(key, (rows, shape["hidden"]), jnp.bfloat16)

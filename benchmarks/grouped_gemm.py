@@ -4,6 +4,8 @@ Times, in one run:
 
 * ours: ``grouped_matmul`` with bf16 and NVFP4 weights (both projections) and
   ``gate_up_swiglu`` (bf16, NVFP4);
+* ours, native: the Triton-language NVFP4 kernels (``native.py``, through jax-triton) in the
+  mode this GPU runs (W4A16 below SM100), plain and fused, when jax-triton is importable;
 * ``jax.lax.ragged_dot`` (bf16);
 * JAX's Mosaic GPU ``ragged_dot_mgpu`` (bf16), after a small tuning sweep like its ``main()``;
 * ``torch._grouped_mm`` (bf16, CUTLASS) when torch is importable;
@@ -23,6 +25,7 @@ Usage::
 
     python benchmarks/grouped_gemm.py --out DIR          # the benchmark (JSON, markdown, PNG)
     python benchmarks/grouped_gemm.py --sweep --out DIR  # tile sweep for our kernels
+    python benchmarks/grouped_gemm.py --out DIR --routings uniform --no-mgpu  # shorter: no Mosaic sweep
 """
 
 from __future__ import annotations
@@ -145,6 +148,23 @@ def ours(op: Op, fmt: str, cc: int, *, config=None, variant=None):
     return fn
 
 
+def native_fn(op: Op, cc: int):
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton and jax-triton)
+
+    def fn(x, w, w_t, q, g):
+        del w, w_t
+        return native.run(op, x, q, g, compute_capability=cc)
+    return fn
+
+
+def _native_available() -> bool:
+    try:
+        import jax_triton  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def ragged_dot(x, w, w_t, q, g):
     del w, q
     return jax.lax.ragged_dot(x, w_t, g, preferred_element_type=jnp.bfloat16)
@@ -235,10 +255,12 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
     cases: list[Case] = []
     sweeps = {}
     best_mgpu = {}
+    native = _native_available()
     for projection, (n, k) in PROJECTIONS.items():
-        best_mgpu[projection], sweeps[f"{projection}_M{MGPU_SWEEP_ROWS}"] = mgpu_sweep(n, k, MGPU_SWEEP_ROWS, runs)
+        if args.mgpu:
+            best_mgpu[projection], sweeps[f"{projection}_M{MGPU_SWEEP_ROWS}"] = mgpu_sweep(n, k, MGPU_SWEEP_ROWS, runs)
     for projection, (n, k) in PROJECTIONS.items():
-        for routing in ROUTINGS:
+        for routing in args.routings:
             for rows in ROWS:
                 count = 4 if rows <= 2048 else 2
                 sets, sizes = jax_arg_sets(rows, n, k, routing, rows + 17, count)
@@ -247,6 +269,11 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
                 results: dict = {}
                 measure("ours_bf16", lambda: time_jax(ours(Op.MATMUL, "bf16", cc), sets, runs), results)
                 measure("ours_nvfp4", lambda: time_jax(ours(Op.MATMUL, "nvfp4", cc), sets, runs), results)
+                if native:
+                    measure("native_nvfp4", lambda: time_jax(native_fn(Op.MATMUL, cc), sets, runs), results)
+                    if projection == "gate_up":
+                        measure("native_swiglu_nvfp4", lambda: time_jax(native_fn(Op.GATE_UP_SWIGLU, cc), sets, runs),
+                                results)
                 if projection == "gate_up":
                     measure("ours_swiglu_bf16", lambda: time_jax(ours(Op.GATE_UP_SWIGLU, "bf16", cc), sets, runs),
                             results)
@@ -254,8 +281,10 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
                             results)
                 slow_sets = sets[:1] if rows >= 8192 else sets  # ragged_dot takes ~0.1 s a call there.
                 measure("jax_ragged_dot", lambda: time_jax(ragged_dot, slow_sets, runs), results)
-                config = best_mgpu[projection]
-                if config is None:
+                config = best_mgpu.get(projection)
+                if not args.mgpu:
+                    pass  # --no-mgpu: not measured in this run
+                elif config is None:
                     results["ragged_dot_mgpu"] = {"error": "no configuration of the sweep compiled"}
                 else:
                     measure("ragged_dot_mgpu", lambda: time_jax(mgpu(config), sets, runs), results)
@@ -290,8 +319,13 @@ def full_mlp(cc: int, runs: int, bandwidth: float):
 
     ms = time_jax(mlp, sets, runs)
     floor_ms = float(np.mean(active_bytes)) / bandwidth * 1e3
-    return {"rows": MLP_ROWS, "ms": ms, "byte_floor_ms": floor_ms, "bytes": float(np.mean(active_bytes)),
-            "ratio_to_floor": ms / floor_ms}
+    out = {"rows": MLP_ROWS, "ms": ms, "byte_floor_ms": floor_ms, "bytes": float(np.mean(active_bytes)),
+           "ratio_to_floor": ms / floor_ms}
+    if _native_available():
+        gate_up, down = native_fn(Op.GATE_UP_SWIGLU, cc), native_fn(Op.MATMUL, cc)
+        out["native_ms"] = time_jax(lambda x, q_gu, q_d, g: down(gate_up(x, None, None, q_gu, g), None, None, q_d, g),
+                                    sets, runs)
+    return out
 
 
 # --- targets, tables, plot ---------------------------------------------------------------------
@@ -316,11 +350,12 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
         tag = f"{case.projection} {case.routing} M={case.rows}"
         peers = [ms(case, p) for p in ("jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm")]
         peers = [p for p in peers if p is not None]
-        if case.rows <= 512 and peers and ms(case, "ours_nvfp4"):
-            add("NVFP4 >= 3.0x fastest bf16 peer (M<=512)", min(peers) / ms(case, "ours_nvfp4"), 3.0, tag)
-        if case.rows == 32768 and ms(case, "torch_grouped_mm") and ms(case, "ours_nvfp4"):
-            add("NVFP4 >= 0.85x torch._grouped_mm (M=32768)", ms(case, "torch_grouped_mm") / ms(case, "ours_nvfp4"),
-                0.85, tag)
+        for impl in ("ours_nvfp4", "native_nvfp4"):
+            if case.rows <= 512 and peers and ms(case, impl):
+                add(f"{impl} >= 3.0x fastest bf16 peer (M<=512)", min(peers) / ms(case, impl), 3.0, tag)
+            if case.rows == 32768 and ms(case, "torch_grouped_mm") and ms(case, impl):
+                add(f"{impl} >= 0.85x torch._grouped_mm (M=32768)", ms(case, "torch_grouped_mm") / ms(case, impl),
+                    0.85, tag)
         if case.rows == 32768 and ms(case, "ragged_dot_mgpu") and ms(case, "ours_bf16"):
             add("bf16 >= 1.0x ragged_dot_mgpu (M=32768)", ms(case, "ragged_dot_mgpu") / ms(case, "ours_bf16"), 1.0, tag)
         for impl in ("ours_bf16", "ours_nvfp4"):
@@ -331,11 +366,15 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
     else:
         add("NVFP4 MLP within 1.3x byte floor (M=512)", 1.3 / mlp["ratio_to_floor"], 1.0,
             f"{mlp['ms'] * 1e3:.1f} us vs floor {mlp['byte_floor_ms'] * 1e3:.1f} us (value = 1.3 / ratio)")
+        if "native_ms" in mlp:
+            ratio = mlp["native_ms"] / mlp["byte_floor_ms"]
+            add("native NVFP4 MLP within 1.3x byte floor (M=512)", 1.3 / ratio, 1.0,
+                f"{mlp['native_ms'] * 1e3:.1f} us vs floor {mlp['byte_floor_ms'] * 1e3:.1f} us (value = 1.3 / ratio)")
     return out
 
 
-IMPLS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "jax_ragged_dot", "ragged_dot_mgpu",
-         "torch_grouped_mm")
+IMPLS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4", "native_swiglu_nvfp4",
+         "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm")
 
 
 def markdown(meta, cases, mlp, goals) -> str:
@@ -371,7 +410,9 @@ def markdown(meta, cases, mlp, goals) -> str:
             "",
             f"Full NVFP4 expert MLP (gate_up_swiglu + down), M={mlp['rows']} uniform: {mlp['ms'] * 1e3:.1f} us; "
             f"byte floor {mlp['byte_floor_ms'] * 1e3:.1f} us ({mlp['bytes'] / 1e9:.3f} GB at the copy bandwidth); "
-            f"ratio {mlp['ratio_to_floor']:.2f}.",
+            f"ratio {mlp['ratio_to_floor']:.2f}."
+            + (f" Native (Triton-language) kernels: {mlp['native_ms'] * 1e3:.1f} us, ratio "
+               f"{mlp['native_ms'] / mlp['byte_floor_ms']:.2f}." if "native_ms" in mlp else ""),
         ]
     lines += [
         "",
@@ -494,6 +535,9 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--runs", type=int, default=20, help="timed runs per case (>= 20 for the benchmark)")
     parser.add_argument("--sweep", action="store_true", help="sweep our tile configurations instead")
+    parser.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    parser.add_argument("--no-mgpu", dest="mgpu", action="store_false",
+                        help="skip JAX's Mosaic ragged_dot_mgpu (its tuning sweep takes minutes)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

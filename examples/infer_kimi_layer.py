@@ -19,6 +19,7 @@ an ``hf_quant_config.json`` beside it) and ``model.safetensors`` or sharded safe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--devices", type=positive_int, help="devices for expert parallelism (default: all)")
     parser.add_argument("--iters", type=positive_int, default=10, help="calls per timed window (5 windows)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-gemm", default="auto",
+                        help="expert GEMM implementation ('auto' or one of moe_jax.EXPERT_GEMM.names())")
     args = parser.parse_args(argv)
     if (args.checkpoint is None) != (args.layer is None):
         parser.error("--checkpoint and --layer go together")
@@ -94,9 +97,11 @@ def main(argv=None) -> dict:
     if args.checkpoint is not None:
         mesh = expert_parallel_mesh(moe_jax.MoEConfig.from_hf_config(args.checkpoint), devices)
         config, params = moe_jax.load_moe_layer(args.checkpoint, args.layer, mesh=mesh)
+        config = dataclasses.replace(config, expert_gemm=args.expert_gemm)
         plan = moe_jax.resolve(config, mesh, tokens_per_device=max(args.tokens) // devices)
     else:
-        config = getattr(moe_jax.MoEConfig, args.preset)(weight_format="nvfp4", **(REDUCED if args.reduced else {}))
+        config = getattr(moe_jax.MoEConfig, args.preset)(weight_format="nvfp4", expert_gemm=args.expert_gemm,
+                                                         **(REDUCED if args.reduced else {}))
         plan = moe_jax.resolve(config, expert_parallel_mesh(config, devices), tokens_per_device=max(args.tokens) // devices)
         params = moe_jax.random_params(config, key, plan)
     print(plan.report)

@@ -3,6 +3,7 @@
   moe-jax demo                      reduced Kimi-shaped NVFP4 layer on whatever devices exist
   moe-jax explain --preset kimi_k2  what would run here, and why the rest would not
   moe-jax explain --preset kimi_k2 --device-kind "NVIDIA RTX PRO 6000 Blackwell Workstation Edition" --ep 4
+  moe-jax selftest                  every implementation that can run here, against float64 (exit 1 on failure)
 """
 
 from __future__ import annotations
@@ -175,6 +176,31 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+def selftest(args) -> int:
+    from moe_jax import selftest as checks  # noqa: PLC0415 (loads the kernels)
+
+    total = sum(1 for _ in checks.EXPERT_GEMM.names()) * (3 if args.full else 2)
+    with _bar("selftest", total) as bar:
+        def progress(label):
+            bar.set_postfix_str(label)
+            bar.update()
+        results, header = checks.run(full=args.full, seed=args.seed, progress=progress)
+    text = f"{header}\n\n{checks.table(results)}\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    failed = [r for r in results if not r.passed]
+    if not results:
+        print("FAILED: no implementation could run here")
+        return 1
+    if failed:
+        print(f"FAILED: {len(failed)} of {len(results)} checks")
+        return 1
+    print(f"all {len(results)} checks passed")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = _Parser(prog="moe-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +225,13 @@ def main(argv=None) -> int:
     p.add_argument("--device-kind", help="resolve for an abstract device of this kind (no hardware needed)")
     p.add_argument("--platform", default="cuda", help="platform of --device-kind")
     p.set_defaults(run=explain, parser=p)
+
+    p = sub.add_parser("selftest", help="check every implementation that can run here against float64")
+    p.add_argument("--no-full", dest="full", action="store_false",
+                   help="skip the full Kimi K2 size (384 experts; ~10 GB of NVFP4 weights on the device)")
+    p.add_argument("--seed", type=int, help="random seed (default: fresh; printed in the header)")
+    p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.set_defaults(run=selftest, parser=p)
 
     args = parser.parse_args(argv)
     try:

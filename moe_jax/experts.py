@@ -17,7 +17,8 @@ Dimension letters: ``m`` rows, ``h`` hidden, ``e`` experts, ``f`` expert interme
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import importlib.util
+from typing import TYPE_CHECKING, assert_never
 
 import jax
 import jax.numpy as jnp
@@ -233,12 +234,86 @@ def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
     return None
 
 
+def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
+    """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``, through
+    jax-triton): fused gate/up + SwiGLU, then the down projection. Inference only (no VJP).
+
+    On SM100/SM120 (W4A4) each kernel's activations are quantized to NVFP4 just before it, one
+    global scale per row (:func:`moe_jax.nvfp4.quantize_rows`: a token's rounding depends on that
+    token alone), and the FP4 tensor cores multiply; below SM100 (W4A16) the weights are
+    dequantized in registers and bf16 tensor cores multiply. The checkpoint's static
+    ``input_scale`` is not used: per-row scales computed on the fly never saturate.
+    """
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton, loaded on use)
+
+    cc = plan.target.compute_capability
+    mode = native.mode_for(cc)
+
+    def rows(a_mk):
+        match mode:
+            case native.Mode.W4A16:
+                return a_mk.astype(jnp.bfloat16)
+            case native.Mode.W4A4:
+                return native.NVFP4Rows(*nvfp4.quantize_rows(a_mk))
+            case _:
+                assert_never(mode)
+
+    a_mf = native.run(native.Op.GATE_UP_SWIGLU, rows(x_mh), weights["w_gate_up_egh"], group_sizes_e,
+                      compute_capability=cc)
+    y_mh = native.run(native.Op.MATMUL, rows(a_mf), weights["w_down_ehf"], group_sizes_e, compute_capability=cc)
+    return y_mh.astype(plan.config.dtype)
+
+
+def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
+    if config.interpret:
+        return ("the Triton-language kernels have no interpreter mode (triton's interpreter rejects dot_scaled and "
+                "inline PTX); MoEConfig.interpret=True runs 'pallas' or 'xla'")
+    if target.platform != "cuda":
+        return f"needs an NVIDIA GPU, found {target.platform}"
+    if config.weight_format != "nvfp4":
+        return f"NVFP4 weights only, found weight_format={config.weight_format!r} ('pallas' runs bf16 experts)"
+    if target.training or config.qat:
+        return "inference only: the native kernels have no VJP ('pallas' is differentiable)"
+    if config.dtype != "bfloat16":
+        return f"activations are {config.dtype}; the kernels take bfloat16"
+    for field in ("hidden_size", "expert_intermediate_size"):
+        if getattr(config, field) % pallas_gmm.K_MULTIPLE:
+            return f"{field} = {getattr(config, field)} is not a multiple of {pallas_gmm.K_MULTIPLE}"
+    for package in ("triton", "jax_triton"):
+        if importlib.util.find_spec(package) is None:
+            return f"{package.replace('_', '-')} is not installed (pip install 'moe-jax[triton]')"
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+    if target.compute_capability not in native.NATIVE_TILES:
+        return (f"no native tile configurations for {target.device_kind} (SM{target.compute_capability}); "
+                f"tuned for SM{', SM'.join(map(str, sorted(native.NATIVE_TILES)))}")
+    return None
+
+
+#: Where auto puts the native kernels for NVFP4 inference, per capability, and the measurement
+#: (or its absence) that says so.
+NATIVE_VS_PALLAS = {
+    90: ("pallas", "on an H200 the Pallas kernels beat the W4A16 Triton kernels at every size measured "
+                   "(benchmarks/results/native_h200.md)"),
+    100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
+                    "check with `moe-jax selftest`)"),
+    120: ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
+                    "check with `moe-jax selftest`)"),
+}
+
+
 def _auto_order(target: Target, config: MoEConfig):
-    del config
     if target.training:
-        return ("pallas", "xla"), ("the Pallas kernels where they can run (differentiable: their VJP runs the input- "
-                                   "and weight-gradient kernels), else the reference")
-    return ("pallas", "xla"), "the Pallas kernels where they can run, else the reference"
+        return ("pallas", "xla", "triton"), ("the Pallas kernels where they can run (differentiable: their VJP runs "
+                                             "the input- and weight-gradient kernels), else the reference")
+    if config.weight_format == "nvfp4" and target.compute_capability is not None:
+        cc = target.compute_capability
+        first, why = NATIVE_VS_PALLAS.get(cc, NATIVE_VS_PALLAS[90] if cc < 100 else NATIVE_VS_PALLAS[120])
+        if cc not in NATIVE_VS_PALLAS:
+            why = f"SM{cc} was never measured; as on SM{90 if cc < 100 else 120}: {why}"
+        order = ("triton", "pallas", "xla") if first == "triton" else ("pallas", "triton", "xla")
+        return order, f"NVFP4 inference: {why}"
+    return ("pallas", "xla", "triton"), "the Pallas kernels where they can run, else the reference"
 
 
 EXPERT_GEMM = Registry(
@@ -250,6 +325,13 @@ EXPERT_GEMM = Registry(
                      "differentiable (input- and weight-gradient kernels)"),
             cannot_run=_pallas_cannot_run,
             run=pallas_expert_mlp,
+        ),
+        Implementation(
+            name="triton",
+            summary=("Triton-language NVFP4 kernels through jax-triton: W4A4 on the FP4 tensor cores (SM100, SM120), "
+                     "W4A16 with in-register dequantization (SM80-SM90); inference only"),
+            cannot_run=_triton_cannot_run,
+            run=triton_expert_mlp,
         ),
         Implementation(
             name="xla",

@@ -446,6 +446,24 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
     )
 
 
+def quantize_rows(x_mk: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Activations ``[M, K]`` to NVFP4 with one global scale per row, for W4A4 kernels.
+
+    Each row is quantized as :func:`quantize` quantizes a matrix (``global = amax(|row|) / 2688``,
+    the same exact integer arithmetic), so a row's codes depend on that row alone: one token's
+    magnitude (or a non-finite value) cannot change how another is rounded, which a per-tensor
+    scale would. An all-zero row (padding) gets zero codes, block scales 1 and a global scale 0.
+
+    Returns:
+      ``(packed uint8 [M, K/2], scales float8_e4m3fn [M, K/16], global_scale float32 [M])``.
+    """
+    if x_mk.ndim != 2 or x_mk.shape[1] % BLOCK:
+        raise ValueError(f"x_mk: shape {tuple(x_mk.shape)}, expected [M, K] with K a multiple of {BLOCK}")
+    t = _quantize(x_mk.astype(jnp.float32)[:, None, :])
+    m, k = x_mk.shape
+    return t.packed.reshape(m, k // 2), t.scales.reshape(m, k // BLOCK), t.global_scale
+
+
 def dequantize(t: NVFP4Tensor, dtype=jnp.float32) -> jax.Array:
     """NVFP4 ``[..., N, K]`` to ``dtype``: ``e2m1(code) * (fp32(scale) * global_scale)``, each row
     with its group's global scale when ``global_scale`` is ``[..., G]``."""

@@ -8,6 +8,9 @@ whose ``mhlo.backend_config`` carries the Triton module (MLIR bytecode, key ``ir
 :func:`compile_ttir` compiles that text with the ``triton`` package (3.6) and reads the
 resource usage out of the cubin with the ``cuobjdump`` that package ships.
 
+Triton-language kernels (``@triton.jit``, called through ``jax_triton`` on a GPU) need no
+lowering: :func:`compile_jit` compiles them directly.
+
 Needs the optional ``triton`` dependency (imported lazily).
 """
 
@@ -140,6 +143,28 @@ def compile_ttir(module: TritonModule, capability: int, *, with_sass: bool = Fal
         pathlib.Path(path).write_text(_run_ttir_passes(module.ttir, capability, tmp))
         kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
                                 options={"num_warps": module.num_warps, "num_stages": module.num_stages})
+    return _compiled(kernel, module.name, capability, with_sass)
+
+
+def compile_jit(fn, *, signature: dict[str, str], constexprs: dict, capability: int, num_warps: int,
+                num_stages: int, name: str, with_sass: bool = False) -> CompiledKernel:
+    """Compiles a ``@triton.jit`` function for ``capability`` (Triton-language kernels, the way
+    ``jax_triton`` compiles them, minus the launch): ``signature`` maps each argument to its
+    Triton type (``"*u8"``, ``"constexpr"``), ``constexprs`` the constexpr arguments to values."""
+    import triton  # noqa: PLC0415 (optional dependency)
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(fn.arg_names.index(arg),): value for arg, value in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    return _compiled(kernel, name, capability, with_sass)
+
+
+def _compiled(kernel, name: str, capability: int, with_sass: bool) -> CompiledKernel:
+    """Resource usage and instructions of a compiled triton kernel, read from its cubin and PTX."""
+    with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         pathlib.Path(cubin).write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([_cuda_tool("cuobjdump"), "--dump-resource-usage", cubin],
@@ -154,7 +179,7 @@ def compile_ttir(module: TritonModule, capability: int, *, with_sass: bool = Fal
     target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE)
     mma = sorted({m.group(0) for m in re.finditer(r"\b(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)[\w.:]*", ptx)})
     return CompiledKernel(
-        name=module.name,
+        name=name,
         capability=capability,
         target=target.group(1) if target else "",
         shared_bytes=int(kernel.metadata.shared),

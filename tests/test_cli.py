@@ -80,3 +80,21 @@ def test_bad_flags_are_one_line_errors(capsys, argv, message):
 def test_ep_that_divides_and_fits_resolves(capsys):
     assert cli.main(["explain", "--ep", "8"]) == 0
     assert "8 x cpu" in capsys.readouterr().out
+
+
+def test_selftest_runs_what_can_run_here_and_prints_the_table(capsys):
+    assert cli.main(["selftest", "--no-full", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "moe-jax selftest on" in out and "seed 3" in out
+    assert "| xla | dequantize + ragged_dot | cpu | small | nvfp4 |" in out
+    assert "all 2 checks passed" in out
+
+
+def test_selftest_exits_nonzero_when_a_check_fails(monkeypatch, capsys):
+    import moe_jax.selftest as selftest  # noqa: PLC0415
+
+    real = selftest.reference_rows
+    monkeypatch.setattr(selftest, "reference_rows", lambda *a: real(*a) * 1.1)  # 10% off: above every tolerance
+    assert cli.main(["selftest", "--no-full", "--seed", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "FAILED: 2 of 2 checks" in out

@@ -691,3 +691,21 @@ def test_compiled_quantizer_has_no_float_division_and_no_conversion_round_trip()
             source = ops.get(middle[2][0], ("", "?"))[1] if middle[2] else "?"
             if middle[1] in bits and source in bits:
                 assert bits[middle[1]] >= min(bits[source], bits[t]), (name, source, middle[1], t)
+
+
+def test_quantize_rows_gives_each_row_its_own_scale_and_a_bad_row_changes_no_other(rng):
+    """W4A4 activations: row m quantized exactly as the one-row matrix ``x[m]`` would be, so a
+    non-finite or huge token leaves every other token's codes and scales alone."""
+    x = jnp.asarray(rng.standard_normal((6, 64)) * rng.uniform(0.01, 100, (6, 1)), jnp.float32)
+    packed, scales, g = nvfp4.quantize_rows(x)
+    assert packed.shape == (6, 32) and scales.shape == (6, 4) and g.shape == (6,)
+    for m in range(6):
+        row = nvfp4.quantize(x[m:m + 1])
+        np.testing.assert_array_equal(np.asarray(packed[m]), np.asarray(row.packed[0]))
+        np.testing.assert_array_equal(np.asarray(scales[m]).view(np.uint8), np.asarray(row.scales[0]).view(np.uint8))
+        assert np.asarray(g[m]) == np.asarray(row.global_scale)
+    bad = x.at[2, 5].set(jnp.inf).at[4].multiply(1e6)
+    packed_b, scales_b, g_b = nvfp4.quantize_rows(bad)
+    keep = np.array([0, 1, 3, 5])
+    np.testing.assert_array_equal(np.asarray(packed_b)[keep], np.asarray(packed)[keep])
+    np.testing.assert_array_equal(np.asarray(g_b)[keep], np.asarray(g)[keep])

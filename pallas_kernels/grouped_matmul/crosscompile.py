@@ -132,8 +132,44 @@ def compile_backward(capability: int, kernel: str, variant: Variant, weights: We
     )
 
 
+def native_keys(capability: int) -> list[tuple[Variant, Op]]:
+    """The native kernels' tile keys of one capability (``native.NATIVE_TILES``)."""
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+    return sorted(native.NATIVE_TILES[capability], key=lambda key: tuple(part.value for part in key))
+
+
+def compile_native(capability: int, key: tuple[Variant, Op], *, experts: int = EXPERTS,
+                   with_sass: bool = False) -> tuple[Record, crosscompile.CompiledKernel]:
+    """Compiles the Triton-language kernel (``native.py``) of one tile entry at the Kimi K2 shape:
+    the mode the capability runs (W4A4 from SM100, else W4A16) and the op's projection (gate/up
+    ``[E, 2F, H]`` fused with SwiGLU, or down ``[E, H, F]``). Returns the record and the kernel
+    (PTX, TTGIR) for the instruction checks."""
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+    variant, op = key
+    tile = native.NATIVE_TILES[capability][key]
+    k, n_out = (HIDDEN, INTERMEDIATE) if op is Op.GATE_UP_SWIGLU else (INTERMEDIATE, HIDDEN)
+    mode = native.mode_for(capability)
+    spec = native.make_spec(op, mode, num_rows=ROWS[variant], num_experts=experts, k=k, n_out=n_out,
+                            scale_groups=1, compute_capability=capability, tile=tile)
+    kernel = crosscompile.compile_jit(
+        native.kernel_function(), signature=native.signature(spec), constexprs=spec.constexprs(),
+        capability=capability, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        name=f"native_{op.value}_{mode.value}_{variant.value}", with_sass=with_sass)
+    record = Record(
+        capability=capability, variant=variant.value, weights=f"nvfp4 ({mode.value})", op=op.value,
+        block_m=tile.block_m, block_n=spec.block_n, block_k=spec.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, target=kernel.target, shared_bytes=kernel.shared_bytes,
+        shared_limit=SHARED_MEMORY_BYTES[capability], registers=kernel.registers, spill_bytes=kernel.spill_bytes,
+        mma=kernel.mma_instructions,
+    )
+    return record, kernel
+
+
 def table_keys(capability: int) -> list[Key]:
     return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
 
 
-__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "table_keys", "Op"]
+__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_native", "native_keys",
+           "table_keys", "Op"]

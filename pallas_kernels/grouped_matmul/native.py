@@ -1,0 +1,490 @@
+"""Triton-language NVFP4 grouped matmul kernels, called from JAX through ``jax_triton``.
+
+Two paths from one kernel source, one tiling and one indexing (:func:`_kernel`):
+
+* ``Mode.W4A4`` (compute capability >= 100): activations arrive quantized to NVFP4 (packed
+  E2M1 codes along K, one E4M3 scale per 16 elements, one float32 global scale per row) and the
+  inner product is ``tl.dot_scaled(..., "e2m1", ..., "e2m1")`` with float8e4nv scales, which
+  triton 3.6 lowers to ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4`` on SM120 and
+  ``tcgen05.mma ... kind::mxf4nvf4`` on SM100: the FP4 tensor cores, nothing dequantized.
+* ``Mode.W4A16`` (below 100; triton 3.6 cannot compile that ``dot_scaled`` for SM90): bf16
+  activations, the weight tile dequantized in registers by :data:`_E2M1_TO_BF16_PTX` on packed
+  32-bit words (each E2M1 code's bits placed straight into a bf16, Marlin's trick: one ``prmt``,
+  two ``and``, a shift and an ``or`` per two values) and one bf16 multiply per value for the block
+  scale, then ``tl.dot`` (wgmma on SM90, A from registers). Triton's software pipeline
+  (``num_stages``) keeps the next tiles' loads in flight while a tile is dequantized and multiplied.
+
+Both are swap-AB: the weight tile is the MMA's M operand (``[block_n, block_k]``) and the token
+rows its N operand, so 16 token rows still feed 128-row MMAs. Weights are read in ModelOpt's
+layout as stored (packed along K, which is the packing ``dot_scaled`` is verified for on SM120).
+
+Work split, as in the Pallas kernels: the rows of each expert are cut into tiles that never
+straddle two experts (:func:`pallas_kernels.grouped_matmul.triton.tile_schedule`); a tile reads
+one expert's weights; rows past the expert's end are masked on load and store. Offsets into the
+weights are 64-bit (one Kimi K2 down projection is 7 MiB packed: expert 293 starts past 2**31
+bytes), and so are row offsets.
+
+Dimension letters: ``m`` rows, ``k`` reduction, ``n`` weight rows / output columns, ``e``
+experts, ``f`` the fused op's output columns (``n = 2f``: gate rows, then up rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import assert_never
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from pallas_kernels.grouped_matmul import triton as pallas_backend
+from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul.tuning import Op, Variant
+
+K_MULTIPLE = 64
+_FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
+
+#: log2 of the factor the W4A16 operand is short of ``value * scale`` (as in the Pallas kernels).
+OPERAND_EXPONENT_DEFICIT = pallas_backend.OPERAND_EXPONENT_DEFICIT
+_BLOCK = 16  # NVFP4 elements per block scale.
+
+
+class Mode(enum.Enum):
+    """How the kernel multiplies: the FP4 tensor cores, or bf16 ones after dequantizing."""
+
+    W4A4 = "w4a4"
+    W4A16 = "w4a16"
+
+
+def mode_for(compute_capability: int) -> Mode:
+    """W4A4 where the GPU has block-scaled FP4 MMA (SM100, SM120), else W4A16."""
+    return Mode.W4A4 if compute_capability >= 100 else Mode.W4A16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NativeTile:
+    """One launch configuration: ``block_m`` token rows, ``block_n`` weight rows (per half for
+    the fused op), ``block_k`` reduction elements per step, warps, pipeline stages, and the
+    row tiles visited per sweep over the column tiles (L2 raster)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_t: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"NativeTile.{name}: {value}, expected a power of two")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 64:
+            raise ValueError(f"NativeTile: {self}, expected block_m, block_n >= 16 and block_k >= 64")
+
+    def shared_memory_estimate(self, mode: Mode, op: Op) -> int:
+        """Bytes of operand tiles the K pipeline holds in flight (a lower bound on Triton's)."""
+        halves = 2 if op is Op.GATE_UP_SWIGLU else 1
+        w_bytes = self.block_n * (self.block_k // 2 + self.block_k // _BLOCK)
+        x_bytes = self.block_m * (self.block_k // 2 + self.block_k // _BLOCK if mode is Mode.W4A4 else 2 * self.block_k)
+        return self.num_stages * (x_bytes + halves * w_bytes)
+
+
+_TileKey = tuple[Variant, Op]
+
+
+def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey, NativeTile]:
+    return {(Variant.DECODE, Op.MATMUL): decode_mm, (Variant.DECODE, Op.GATE_UP_SWIGLU): decode_fused,
+            (Variant.PREFILL, Op.MATMUL): prefill_mm, (Variant.PREFILL, Op.GATE_UP_SWIGLU): prefill_fused}
+
+
+def _t(m, n, k, warps, stages, group_t=1 << 20):
+    return NativeTile(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t)
+
+
+# Per capability. SM90 was swept on an H200 (benchmarks/results/native_h200/); SM100 and SM120
+# are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared memory per
+# block) and cross-compiled in CI (tests/pallas_kernels/test_native_crosscompile.py), never run.
+# SM80/SM89 take the SM90 shapes with fewer stages (mma.sync, less shared memory), not measured.
+NATIVE_TILES: dict[int, dict[_TileKey, NativeTile]] = {
+    80: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(64, 128, 64, 8, 3, 8), _t(64, 64, 64, 8, 3, 8)),
+    89: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(64, 128, 64, 8, 2, 8), _t(64, 64, 64, 8, 2, 8)),
+    90: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(128, 128, 64, 8, 4, 8), _t(128, 64, 64, 8, 3, 8)),
+    100: _tiles(_t(16, 128, 256, 4, 4), _t(16, 64, 256, 4, 3), _t(128, 128, 128, 8, 3, 8),
+                _t(128, 64, 128, 8, 3, 8)),
+    120: _tiles(_t(16, 128, 256, 4, 3), _t(16, 64, 256, 4, 3), _t(64, 128, 256, 4, 2, 8), _t(64, 64, 256, 4, 2, 8)),
+}
+
+
+def check_capability(compute_capability: int) -> None:
+    if compute_capability not in NATIVE_TILES:
+        raise ValueError(f"compute_capability: {compute_capability!r} has no native tile configurations; "
+                         f"known: {sorted(NATIVE_TILES)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NativeSpec:
+    """Everything static about one launch (hashable: it keys the jit cache)."""
+
+    mode: Mode
+    op: Op
+    tile: NativeTile
+    num_rows: int
+    k: int
+    n_out: int
+    block_k: int
+    block_n: int
+    max_tiles: int
+    scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
+
+    @property
+    def weight_rows(self) -> int:
+        return 2 * self.n_out if self.op is Op.GATE_UP_SWIGLU else self.n_out
+
+    @property
+    def num_programs(self) -> int:
+        return self.max_tiles * (self.n_out // self.block_n)
+
+    def constexprs(self) -> dict:
+        """The kernel's ``tl.constexpr`` arguments."""
+        return dict(
+            K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
+            FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
+            BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
+        )
+
+
+# Four packed bytes b0..b3 (element 2i in the low nibble of byte i) in $4. Out: $0, $1 the low
+# nibbles of (b0, b1) and (b2, b3) as bf16 pairs, $2, $3 the high nibbles. prmt moves byte i to
+# the top byte of a 16-bit lane, where a high nibble's sign (bit 3) is the bf16 sign and its
+# magnitude bits, shifted down by 6, land in exponent bits 7..8 and mantissa bit 6: the bf16 is
+# ``value * 2**-126``. The low nibbles first move up by 4.
+_E2M1_TO_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 q, t, s;
+shl.b32 q, $4, 4;
+prmt.b32 t, q, 0, 0x1404;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $0, t, s;
+prmt.b32 t, q, 0, 0x3424;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $1, t, s;
+prmt.b32 t, $4, 0, 0x1404;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $2, t, s;
+prmt.b32 t, $4, 0, 0x3424;
+and.b32 s, t, 0x70007000;
+shr.b32 s, s, 6;
+and.b32 t, t, 0x80008000;
+or.b32 $3, t, s;
+}
+""")
+
+
+@triton.jit
+def _dequantize_w4a16(packed_nj, scales_nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 ``[bn, bk/2]`` codes and uint8 ``[bn, bk/16]`` E4M3 bits -> bf16 ``[bn, bk]`` holding
+    ``value * scale * 2**-7`` exactly (at most 6 significant bits, far from both ends of bf16),
+    its columns in :attr:`~pallas_kernels.grouped_matmul.triton.Order.FRAGMENT` order.
+
+    Fragment order puts the four bytes a thread's MMA fragment needs next to each other and pairs
+    the two bf16 an asm output register holds as the fragment pairs them, so the tile goes from
+    the asm into the MMA without re-pairing (memory order measured 1.3-1.6x slower on an H200);
+    ``x`` is permuted to match before the kernel (:func:`~pallas_kernels.grouped_matmul.triton.permute_k`).
+    """
+    lo, hi = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r", [packed_nj],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    # The E4M3 bits placed into a bf16 give scale * 2**-120; two exact power-of-two steps
+    # (2**239 does not fit one bf16) make it scale * 2**119.
+    bits = scales_nb.to(tl.uint16)
+    placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
+    scale_nb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
+    # Byte 16b + 4q + 2t + s of the tile holds elements 32b + 8q + 4t + 2s + {0 (lo), 1 (hi)};
+    # its scale is block 2b + q // 2.
+    scale_bq = tl.broadcast_to(tl.reshape(scale_nb, (BLOCK_N, BLOCK_K // 32, 2, 1)), (BLOCK_N, BLOCK_K // 32, 2, 2))
+    scale_bq = tl.reshape(scale_bq, (BLOCK_N, BLOCK_K // 32, 4, 1, 1))
+    lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)) * scale_bq
+    hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)) * scale_bq
+    w = tl.permute(tl.join(lo, hi), (0, 1, 3, 5, 2, 4))  # (n, b, q, t, s, lo/hi) -> (n, b, t, lo/hi, q, s)
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+            w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
+            FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One ``[block_m, block_n]`` output tile of one expert's rows (see the module docstring).
+
+    ``x_ptr``: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` with ``x_scale_ptr`` uint8 E4M3
+    ``[M, K/16]`` and ``x_global_ptr`` float32 ``[M]`` (both unused by W4A16). ``w_ptr`` uint8
+    ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
+    ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
+    caller passed one to write into, else a placeholder: never read).
+    """
+    num_n_tiles: tl.constexpr = N_OUT // BLOCK_N
+    per_group: tl.constexpr = GROUP_T * num_n_tiles
+    pid = tl.program_id(0)
+    first_t = (pid // per_group) * GROUP_T
+    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
+    local = pid % per_group
+    t = first_t + local % rows_here
+    j = local // rows_here
+    row_start = tl.load(tile_start_ptr + t)
+    row_end = tl.load(tile_end_ptr + t)
+    if row_start < row_end:
+        # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
+        # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
+        expert = tl.load(tile_expert_ptr + t).to(tl.int64)
+        local_m = tl.arange(0, BLOCK_M)
+        row_ok_m = row_start + local_m < row_end
+        first_row = row_start.to(tl.int64)
+        # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
+        # one accumulator, split in the epilogue (two accumulators sharing one activation tile
+        # broke triton 3.6's tensor-memory pass for SM100).
+        R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
+        r = tl.arange(0, R)
+        half_r = r // BLOCK_N
+        w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
+        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
+                 + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+        acc = tl.zeros((R, BLOCK_M), tl.float32)
+        if W4A4:
+            x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+            xs_at = (x_scale_ptr + first_row * (K // 16)
+                     + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+        else:
+            x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
+            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            if W4A4:
+                x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
+                # A masked row's scales read as 0: its products vanish whatever its codes.
+                xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
+                acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
+                                    xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+            else:
+                x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
+                acc = tl.dot(_dequantize_w4a16(w_rj, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
+        # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
+        # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
+        if W4A4:
+            row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+        else:
+            row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+        w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
+        acc = acc * w_global_r[:, None] * row_factor[None, :]
+        if FUSED:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            y = acc
+        cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
+        tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
+
+
+def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
+              compute_capability: int, tile: NativeTile | None = None) -> NativeSpec:
+    """The launch for these shapes: the capability's tile for the variant the row count implies."""
+    check_capability(compute_capability)
+    if tile is None:
+        variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
+                                        compute_capability=compute_capability)
+        tile = NATIVE_TILES[compute_capability][(variant, op)]
+    return NativeSpec(
+        mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
+        block_k=tuning.fit_block(tile.block_k, k, K_MULTIPLE), block_n=tuning.fit_block(tile.block_n, n_out, 16),
+        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m), scale_groups=scale_groups,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Rows:
+    """Activations quantized to NVFP4 for the W4A4 kernels, one global scale per row.
+
+    Attributes:
+      packed: uint8 ``[M, K/2]``, element ``2i`` in the low nibble of byte ``i``.
+      scales: float8_e4m3fn ``[M, K/16]``.
+      global_scale: float32 ``[M]``.
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+
+
+def _check_rows(x, mode: Mode, name: str) -> tuple[int, int]:
+    """Validates the activations for ``mode``; returns ``(M, K)``."""
+    match mode:
+        case Mode.W4A16:
+            if not hasattr(x, "dtype") or np.dtype(x.dtype) != np.dtype(jnp.bfloat16) or x.ndim != 2:
+                found = f"{x.dtype}{list(x.shape)}" if hasattr(x, "dtype") else type(x).__name__
+                raise ValueError(f"{name}: {found}, expected bfloat16 [M, K] (W4A16)")
+            m, k = x.shape
+        case Mode.W4A4:
+            if not isinstance(x, NVFP4Rows):
+                raise ValueError(f"{name}: {type(x).__name__}, expected NVFP4Rows (W4A4 quantized activations)")
+            m, k = x.packed.shape[0], 2 * x.packed.shape[-1]
+            expected = {"packed": (np.uint8, (m, k // 2)), "scales": (_FLOAT8_E4M3FN, (m, k // 16)),
+                        "global_scale": (np.float32, (m,))}
+            for field, (dtype, shape) in expected.items():
+                a = getattr(x, field)
+                if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:
+                    raise ValueError(f"{name}.{field}: {a.dtype}{list(a.shape)}, expected {np.dtype(dtype).name} "
+                                     f"{list(shape)}")
+        case _:
+            assert_never(mode)
+    if k % K_MULTIPLE or k == 0:
+        raise ValueError(f"{name}: K={k}, expected a positive multiple of {K_MULTIPLE}")
+    return m, k
+
+
+def _check_weights(w, name: str, op: Op, num_experts: int, k: int) -> tuple[int, int]:
+    """Validates an NVFP4 weight; returns ``(weight rows N_W, global scales per expert G)``."""
+    if not all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
+        raise ValueError(f"{name}: {type(w).__name__}, expected an NVFP4 tensor (.packed, .scales, .global_scale); "
+                         "the native kernels take NVFP4 weights only")
+    n_w = w.packed.shape[1] if w.packed.ndim == 3 else -1
+    expected = {"packed": (np.uint8, (num_experts, n_w, k // 2)), "scales": (_FLOAT8_E4M3FN, (num_experts, n_w, k // 16))}
+    for field, (dtype, shape) in expected.items():
+        a = getattr(w, field)
+        if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:
+            raise ValueError(f"{name}.{field}: {a.dtype}{list(a.shape)}, expected {np.dtype(dtype).name} "
+                             f"[E={num_experts} (group_sizes_e), N, {shape[2]}] for K={k}")
+    scale_shapes = [(num_experts,)] + ([(num_experts, 2)] if op is Op.GATE_UP_SWIGLU else [])
+    g = w.global_scale
+    if np.dtype(g.dtype) != np.float32 or tuple(g.shape) not in scale_shapes:
+        raise ValueError(f"{name}.global_scale: {g.dtype}{list(g.shape)}, expected float32 "
+                         f"{' or '.join(map(str, scale_shapes))}")
+    return n_w, 1 if g.ndim == 1 else 2
+
+
+def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
+        tile: NativeTile | None = None, out=None) -> jax.Array:
+    """One native kernel: ``op`` on the rows of ``x`` with NVFP4 weights ``w``.
+
+    Args:
+      op: ``Op.MATMUL`` (``w`` ``[E, N, K]``, out bf16 ``[M, N]``) or ``Op.GATE_UP_SWIGLU``
+        (``w`` ``[E, 2F, K]``, gate rows then up rows, global scale ``[E]`` or ``[E, 2]``; out
+        bf16 ``[M, F]``).
+      x: bf16 ``[M, K]`` for W4A16, :class:`NVFP4Rows` for W4A4; rows sorted by expert.
+      w: NVFP4 weights in ModelOpt's layout (``.packed`` uint8 ``[E, N, K/2]``, ``.scales``
+        float8_e4m3fn ``[E, N, K/16]``, ``.global_scale`` float32).
+      group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
+      compute_capability: picks the tiles and, unless ``mode`` is given, the mode (:func:`mode_for`).
+      mode: W4A4 needs capability >= 100 (triton 3.6 compiles ``dot_scaled`` e2m1 for no other).
+      tile: overrides the tile table (benchmark sweeps).
+      out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
+        kernel does not write keep its values.
+
+    Raises:
+      ValueError: naming the argument, for a bad shape, dtype, capability or mode.
+    """
+    check_capability(compute_capability)
+    mode = mode_for(compute_capability) if mode is None else mode
+    if mode is Mode.W4A4 and compute_capability < 100:
+        raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
+                         "FP4 MMA: SM100, SM120)")
+    m, k = _check_rows(x, mode, "x")
+    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
+        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
+    num_experts = group_sizes_e.shape[0]
+    name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
+    n_w, groups = _check_weights(w, name, op, num_experts, k)
+    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    if n_out % 16 or n_out == 0 or (op is Op.GATE_UP_SWIGLU and n_w % 2):
+        raise ValueError(f"{name}: {n_w} rows, expected a positive multiple of "
+                         f"{32 if op is Op.GATE_UP_SWIGLU else 16}")
+    if out is not None and (tuple(out.shape) != (m, n_out) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
+    if m == 0:
+        return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+    spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
+                     compute_capability=compute_capability, tile=tile)
+    match mode:
+        case Mode.W4A4:
+            rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
+        case Mode.W4A16:
+            # x's columns in the dequantized tiles' order; the one-element placeholders (unread
+            # by W4A16) keep a single kernel signature.
+            rows = (pallas_backend.permute_k(x), jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
+        case _:
+            assert_never(mode)
+    return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+                  w.global_scale.reshape(num_experts, groups), out)
+
+
+def _same_varying_axes(outputs, operands):
+    """Types the kernel's outputs as varying over every ``shard_map`` axis its operands vary over.
+
+    ``jax_triton``'s primitive has no rule for this (its abstract value drops the axes), so under
+    ``shard_map(check_vma=True)`` its output would claim to be the same on every device.
+    """
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
+    return [jax.lax.pcast(o, tuple(sorted(varying)), to="varying") if varying else o for o in outputs]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scales_u8, global_scale_eg, out=None):
+    """Runs one kernel.
+
+    Args:
+      spec: the static description (:func:`make_spec`).
+      group_sizes_e: int32 ``[E]``.
+      x: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` (packed codes).
+      x_scales: W4A4 uint8 ``[M, K/16]`` (E4M3 bits); W4A16 any uint8 array (unread).
+      x_global: W4A4 float32 ``[M]``; W4A16 any float32 array (unread).
+      packed: uint8 ``[E, N_W, K/2]``.
+      scales_u8: uint8 ``[E, N_W, K/16]`` (E4M3 bits).
+      global_scale_eg: float32 ``[E, G]``.
+      out: None, or a bf16 ``[M, n_out]`` buffer aliased to the output.
+
+    Returns:
+      bf16 ``[M, n_out]``; rows past ``sum(group_sizes_e)`` are left unwritten.
+    """
+    import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
+
+    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
+                                            num_tiles=spec.max_tiles)
+    aliased = out is not None
+    out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
+    operands = (*schedule, x, x_scales, x_global, packed, scales_u8, global_scale_eg, out_in)
+    name = f"native_{spec.op.value}_{spec.mode.value}"
+    with jax.named_scope(name):
+        y = jax_triton.triton_call(
+            *operands, kernel=_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
+            grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
+            input_output_aliases={len(operands) - 1: 0} if aliased else None, **spec.constexprs(),
+        )
+    return _same_varying_axes([y], operands)[0]
+
+
+def kernel_function():
+    """The ``@triton.jit`` kernel itself (for cross-compilation)."""
+    return _kernel
+
+
+def signature(spec: NativeSpec) -> dict[str, str]:
+    """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
+    x = "*u8" if spec.mode is Mode.W4A4 else "*bf16"
+    types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", "*u8", "*u8", "*fp32", "*bf16", "*bf16"]
+    constexprs = spec.constexprs()
+    return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
+
+
+__all__ = ["Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec", "NativeTile", "launch", "make_spec", "mode_for", "run"]

@@ -1,0 +1,92 @@
+"""The Triton-language NVFP4 kernels (``native.py``) cross-compiled for every capability, no GPU.
+
+This is the standing proof that the SM120 path exists and is the native one: every tile entry
+compiles for ``sm_120a`` to the block-scaled FP4 ``mma.sync ... kind::mxf4nvf4`` and for
+``sm_100a`` to ``tcgen05.mma ... kind::mxf4nvf4``, within the chip's shared memory and without
+register spills; the W4A16 branch compiles to ``wgmma`` on SM90 and ``mma.sync`` bf16 on SM80/89.
+Nothing here ran on SM100/SM120 hardware. Also: the input checks, and the offsets' widths.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+from moe_jax.nvfp4 import NVFP4Tensor  # noqa: E402
+from pallas_kernels.grouped_matmul import crosscompile  # noqa: E402
+from pallas_kernels.grouped_matmul import native  # noqa: E402
+from pallas_kernels.grouped_matmul.tuning import Op  # noqa: E402
+
+EXPECTED = {
+    120: ("sm_120a", r"mma\.sync\.aligned\.m16n8k64\.row\.col\.kind::mxf4nvf4\.block_scale\.scale_vec::4X"),
+    100: ("sm_100a", r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_scale\.scale_vec::4X"),
+    90: ("sm_90a", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"),
+    89: ("sm_89", r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"),
+    80: ("sm_80", r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32"),
+}
+CASES = [(cc, key) for cc in EXPECTED for key in crosscompile.native_keys(cc)]
+
+
+@pytest.mark.parametrize("cc,key", CASES, ids=[f"sm{cc}-{v.value}-{op.value}" for cc, (v, op) in CASES])
+def test_every_native_tile_compiles_to_the_native_instruction(cc, key):
+    record, kernel = crosscompile.compile_native(cc, key, experts=384)
+    target, mma = EXPECTED[cc]
+    assert record.target == target
+    assert record.mma and all(re.match(mma, m) for m in record.mma), record.mma
+    assert re.search(mma, kernel.ptx)
+    if cc >= 100:  # the FP4 operands are never widened to bf16 MMA
+        assert "bf16.bf16" not in kernel.ptx
+        assert native.mode_for(cc) is native.Mode.W4A4
+    assert record.spill_bytes == 0, f"{record.spill_bytes} bytes of register spills"
+    assert 0 < record.shared_bytes <= record.shared_limit
+
+
+def test_offsets_past_int32_use_64_bit_bases():
+    """Per expert and per row tile the kernel adds 64-bit bases; what stays 32-bit (offsets inside
+    one expert's matrix and one row tile) fits at the largest published shapes."""
+    _, kernel = crosscompile.compile_native(120, crosscompile.native_keys(120)[0], experts=384)
+    assert re.search(r"arith\.extsi %\S+ : i32 to i64", kernel.ttgir)
+    assert re.search(r"arith\.muli %\S+, %\S+ : i64", kernel.ttgir)
+    # Kimi K2 / DeepSeek-V3 projections (N_W, K), and 2x Kimi's hidden size for headroom.
+    for n_w, k in ((4096, 7168), (7168, 2048), (2 * 2 * 2048, 2 * 7168)):
+        tile = max((t for table in native.NATIVE_TILES.values() for t in table.values()), key=lambda t: t.block_m)
+        assert n_w * (k // 2) < 2**31 and tile.block_m * k < 2**31 and tile.block_m * n_w < 2**31
+    # ... while the whole 384-expert tensor does not (the reason for the 64-bit bases).
+    assert 384 * 7168 * (2048 // 2) > 2**31
+
+
+def _nvfp4(e=4, n=64, k=128):
+    return NVFP4Tensor(packed=jnp.zeros((e, n, k // 2), jnp.uint8), scales=jnp.ones((e, n, k // 16), jnp.float8_e4m3fn),
+                       global_scale=jnp.ones((e,), jnp.float32))
+
+
+def test_bad_input_gets_one_line_naming_the_argument():
+    w, sizes, x = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 128), jnp.bfloat16)
+    cases = [
+        (dict(x=x.astype(jnp.float32)), r"^x: float32\[10, 128\], expected bfloat16 \[M, K\] \(W4A16\)$"),
+        (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
+        (dict(w=_nvfp4(e=3)), r"^w\.packed: uint8\[3, 64, 64\], expected uint8 \[E=4 \(group_sizes_e\), N, 64\]"),
+        (dict(cc=90, mode=native.Mode.W4A4), r"^mode: W4A4 on compute capability 90, expected >= 100"),
+        (dict(cc=75), r"^compute_capability: 75 has no native tile configurations"),
+        (dict(x=jnp.ones((10, 96), jnp.bfloat16), w=_nvfp4(k=96)), r"^x: K=96, expected a positive multiple of 64$"),
+        (dict(sizes=sizes.astype(jnp.float32)), r"^group_sizes_e: float32\[4\], expected int32 \[E\], E >= 1$"),
+        (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
+        (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, w=w, sizes=sizes, cc=90, mode=None, out=None) | change
+        with pytest.raises(ValueError, match=message):
+            native.run(Op.MATMUL, args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
+                       mode=args["mode"], out=args["out"])
+
+
+def test_w4a4_activation_rows_are_checked_field_by_field():
+    w, sizes = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32)
+    rows = native.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
+                            global_scale=jnp.ones((9,), jnp.float32))
+    with pytest.raises(ValueError, match=r"^x\.global_scale: float32\[9\], expected float32 \[10\]$"):
+        native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)

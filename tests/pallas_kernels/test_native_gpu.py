@@ -1,0 +1,149 @@
+"""The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``) on a GPU.
+
+W4A16 runs below SM100 (the H200 here), W4A4 on SM100/SM120; each test runs the mode of the
+GPU it finds. There is no CPU twin: triton's interpreter rejects ``dot_scaled`` and inline PTX,
+and ``jax_triton`` needs a GPU jaxlib; the CPU suite cross-compiles every tile configuration
+instead (``test_native_crosscompile.py``).
+
+Every test compares against a float64 reference of the same NVFP4 weights (and, for W4A4, of
+the same quantized activations), writes into NaN-poisoned ``out`` buffers and checks that
+padding rows keep their poison. The Kimi K2-size test reuses the harness of
+``test_kimi_size_gpu.py`` (384 experts, the top expert ids, offsets past 2**31 bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kimi_size_gpu import F, H, _capability, _check_top_experts, expert_reference
+
+from moe_jax import nvfp4
+from moe_jax.nvfp4 import NVFP4Tensor
+from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul.tuning import Op
+
+native = pytest.importorskip("pallas_kernels.grouped_matmul.native", reason="needs triton")
+TOLERANCE = 1e-2
+
+
+def _random_nvfp4(rng, e: int, n: int, k: int, groups: int = 1) -> NVFP4Tensor:
+    scales = rng.uniform(0.5, 1.5, (e, n, k // 16)).astype(jnp.float8_e4m3fn)
+    global_scale = rng.uniform(0.5, 2.0, (e, groups) if groups > 1 else (e,)) / (6 * np.sqrt(k))
+    return NVFP4Tensor(packed=jnp.asarray(rng.integers(0, 256, (e, n, k // 2), np.uint8)),
+                       scales=jnp.asarray(scales), global_scale=jnp.asarray(global_scale, jnp.float32))
+
+
+def _rows_for(mode, x_mk):
+    """The kernel's activation operand for ``mode`` and the float64 rows it stands for."""
+    match mode:
+        case native.Mode.W4A16:
+            return x_mk, np.asarray(x_mk, np.float64)
+        case native.Mode.W4A4:
+            packed, scales, global_m = nvfp4.quantize_rows(x_mk)
+            exact = reference.dequantize(np.asarray(packed)[:, None], np.asarray(scales)[:, None], np.asarray(global_m))
+            return native.NVFP4Rows(packed, scales, global_m), exact[:, 0]
+    raise AssertionError(mode)
+
+
+def _check(rng, op: Op, num_experts: int, k: int, n_out: int, sizes: np.ndarray, padding: int, groups: int = 1,
+           wrap=lambda f: f):
+    cc = _capability()
+    mode = native.mode_for(cc)
+    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+    w = _random_nvfp4(rng, num_experts, n_w, k, groups)
+    m = int(sizes.sum()) + padding
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rows, x64 = _rows_for(mode, x)
+    poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
+    call = wrap(jax.jit(functools.partial(native.run, op, compute_capability=cc)))
+    y = np.asarray(call(rows, w, jnp.asarray(sizes, jnp.int32), out=poisoned).astype(jnp.float32), np.float64)
+    defined = int(sizes.sum())
+    ref = (reference.gate_up_swiglu if op is Op.GATE_UP_SWIGLU else reference.grouped_matmul)(x64, w, sizes)
+    assert np.isfinite(y[:defined]).all(), f"{np.count_nonzero(~np.isfinite(y[:defined]))} defined elements unwritten"
+    assert np.isnan(y[defined:]).all(), "padding rows were written"
+    rel = np.linalg.norm(y[:defined] - ref) / np.linalg.norm(ref)
+    assert rel < TOLERANCE, f"{mode.value} {op.value} SM{cc}: relative Frobenius error {rel:.3g}"
+    return rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,groups", [(Op.MATMUL, 1), (Op.GATE_UP_SWIGLU, 1), (Op.GATE_UP_SWIGLU, 2)])
+@pytest.mark.parametrize("rows_per_expert", [3, 150])  # the decode and the prefill tiles
+def test_native_matches_float64_reference(rng, op, groups, rows_per_expert):
+    e = 12
+    sizes = rng.integers(0, 2 * rows_per_expert, e).astype(np.int32)
+    sizes[[0, 5, e - 1]] = [0, rows_per_expert, 0]  # empty first and last experts
+    _check(rng, op, e, 512, 384, sizes, padding=37, groups=groups)
+
+
+@pytest.mark.gpu
+def test_native_under_shard_map_with_vma_checks(rng):
+    """Inside ``shard_map(check_vma=True)`` on a one-device mesh: the output must carry the
+    operands' varying axes (jax_triton's primitive drops them; ``native`` casts them back)."""
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices("gpu")[:1])
+    spec = jax.sharding.PartitionSpec("expert")
+
+    def wrap(call):
+        sharded = jax.jit(jax.shard_map(lambda r, w, s, o: call(r, w, s, out=o), mesh=mesh,
+                                        in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=True))
+
+        def placed(*args, out):
+            return sharded(*jax.device_put((*args, out), jax.sharding.NamedSharding(mesh, spec)))
+        return placed
+
+    sizes = rng.integers(1, 40, 8).astype(np.int32)
+    _check(rng, Op.GATE_UP_SWIGLU, 8, 256, 128, sizes, padding=5, wrap=wrap)
+
+
+@pytest.mark.gpu(count=2)
+def test_native_on_two_gpus_each_with_its_own_experts(rng):
+    """Expert parallelism's local step: each of 2 GPUs runs its half of the experts on its rows."""
+    cc = _capability()
+    mode = native.mode_for(cc)
+    e_local, k, n = 6, 256, 192
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices("gpu")[:2])
+    spec = jax.sharding.PartitionSpec("expert")
+    w = _random_nvfp4(rng, 2 * e_local, n, k)
+    sizes = rng.integers(0, 30, 2 * e_local).astype(np.int32)
+    m = int(max(sizes[:e_local].sum(), sizes[e_local:].sum())) + 3
+    x = jnp.asarray(rng.standard_normal((2 * m, k)), jnp.bfloat16)
+    rows, x64 = _rows_for(mode, x)
+
+    @jax.jit
+    def run(rows, w, sizes):
+        return jax.shard_map(lambda r, w, s: native.run(Op.MATMUL, r, w, s, compute_capability=cc), mesh=mesh,
+                             in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(rows, w, sizes)
+
+    placed = jax.device_put((rows, w, jnp.asarray(sizes)), jax.sharding.NamedSharding(mesh, spec))
+    y = np.asarray(run(*placed).astype(jnp.float32), np.float64)
+    for d in range(2):
+        local = sizes[d * e_local:(d + 1) * e_local]
+        w_local = jax.tree.map(lambda a: a[d * e_local:(d + 1) * e_local], w)
+        ref = reference.grouped_matmul(x64[d * m:(d + 1) * m], w_local, local)
+        got = y[d * m:d * m + len(ref)]
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert rel < TOLERANCE, f"device {d}: relative Frobenius error {rel:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
+    """384 experts, the top expert ids (down projection codes past 2**31 bytes), NaN-poisoned
+    outputs: the harness of ``test_kimi_size_gpu.py`` with the native kernel."""
+    cc = _capability()
+    mode = native.mode_for(cc)
+    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
+
+    def kernel(x, w, sizes, *, compute_capability, out):
+        return native.run(kernel_op, _rows_for(mode, x)[0], w, sizes, compute_capability=compute_capability, out=out)
+
+    def expert_fn(x_mk, w_nk):
+        if mode is native.Mode.W4A4:  # the rows the kernel saw: quantized per row, as on the device
+            x_mk = _rows_for(mode, jnp.asarray(x_mk, jnp.bfloat16))[1]
+        return expert_reference(op, x_mk, w_nk)
+
+    _check_top_experts(rng, record_property, f"native {mode.value} {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn)

@@ -1,0 +1,89 @@
+"""The layer with the Triton-language NVFP4 kernels (``expert_gemm="triton"``): how resolution
+treats them everywhere (CPU), and the layer on GPUs against the float64 reference.
+
+The GPU tests run the mode of the GPU they find: W4A16 below SM100 (the H200 here), W4A4 on
+SM100/SM120, whose activation quantization (NVFP4, one scale per row) adds its own error: the
+tolerance is then the one measured for W4A4's numerics on CPU (``W4A4_TOLERANCE``).
+"""
+
+import importlib.util
+
+import jax
+import pytest
+from test_layer_pallas import SHAPE, check_against_reference
+
+import sharding
+from moe_jax import MoEConfig, ResolutionError, resolve
+
+GPU_TOLERANCE = {"w4a16": 1e-2, "w4a4": 0.15}
+
+
+def _needs_native_installed():
+    """Resolution offers the native kernels only where triton and jax-triton are installed (CI
+    installs both; jax_triton itself imports only with a GPU jaxlib, and is not imported here)."""
+    for package in ("triton", "jax_triton"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+
+
+def _abstract_mesh(device_kind: str):
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    return jax.sharding.AbstractMesh((1, 1), ("data", "expert"), abstract_device=device)
+
+
+def test_triton_cannot_run_on_cpu_and_says_why(cpu_devices):
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton")
+    with pytest.raises(ResolutionError, match="expert_gemm = 'triton' cannot run on .*needs an NVIDIA GPU, found cpu"):
+        resolve(config, cpu_devices[:1])
+    with pytest.raises(ResolutionError, match="no interpreter mode"):
+        resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton", interpret=True),
+                cpu_devices[:1])
+
+
+@pytest.mark.parametrize("device_kind,chosen,why", [
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "triton", "cross-compiled, not run here"),
+    ("NVIDIA B200", "triton", "cross-compiled, not run here"),
+    ("NVIDIA H200", "pallas", "benchmarks/results/native_h200.md"),
+    ("NVIDIA A100-SXM4-80GB", "pallas", "SM80 was never measured"),
+])
+def test_auto_picks_per_architecture_and_cites_why(device_kind, chosen, why):
+    _needs_native_installed()
+    plan = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4"), _abstract_mesh(device_kind))
+    assert plan.expert_gemm == chosen
+    assert why in plan.report
+
+
+def test_triton_is_inference_only_and_nvfp4_only():
+    _needs_native_installed()
+    mesh = _abstract_mesh("NVIDIA RTX PRO 6000 Blackwell Workstation Edition")
+    training = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4"), mesh, training=True)
+    assert training.expert_gemm == "pallas"
+    assert "inference only" in training.report
+    with pytest.raises(ResolutionError, match="NVFP4 weights only, found weight_format='bf16'"):
+        resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16", expert_gemm="triton"), mesh)
+    assert resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16"), mesh).expert_gemm == "pallas"
+
+
+def _mode() -> str:
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415
+
+    major, minor = jax.devices("gpu")[0].compute_capability.split(".")[:2]
+    return native.mode_for(10 * int(major) + int(minor)).value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("own_scales", [False, True])
+def test_triton_on_gpu_matches_the_reference(rng, own_scales):
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton")
+    check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300, own_scales=own_scales,
+                            implementation="triton", tolerance=GPU_TOLERANCE[_mode()])
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+def test_triton_on_two_gpus_under_an_expert_parallel_mesh(rng, exchange):
+    config = MoEConfig.kimi_k2(**{**SHAPE, "top_k": 2}, weight_format="nvfp4", expert_gemm="triton",
+                               exchange=exchange)
+    mesh = sharding.make_mesh(2, devices=jax.devices("gpu")[:2])
+    check_against_reference(config, mesh, rng, tokens=300, implementation="triton",
+                            tolerance=GPU_TOLERANCE[_mode()])

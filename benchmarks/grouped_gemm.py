@@ -25,7 +25,7 @@ Usage::
 
     python benchmarks/grouped_gemm.py --out DIR          # the benchmark (JSON, markdown, PNG)
     python benchmarks/grouped_gemm.py --sweep --out DIR  # tile sweep for our kernels
-    python benchmarks/grouped_gemm.py --out DIR --routings uniform --no-mgpu  # shorter: no Mosaic sweep
+    python benchmarks/grouped_gemm.py --out DIR --routings uniform --no-mgpu --rows 128 32768  # shorter
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
             best_mgpu[projection], sweeps[f"{projection}_M{MGPU_SWEEP_ROWS}"] = mgpu_sweep(n, k, MGPU_SWEEP_ROWS, runs)
     for projection, (n, k) in PROJECTIONS.items():
         for routing in args.routings:
-            for rows in ROWS:
+            for rows in args.rows:
                 count = 4 if rows <= 2048 else 2
                 sets, sizes = jax_arg_sets(rows, n, k, routing, rows + 17, count)
                 active = int(np.mean([np.count_nonzero(s) for s in sizes]))
@@ -282,11 +282,9 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
                 slow_sets = sets[:1] if rows >= 8192 else sets  # ragged_dot takes ~0.1 s a call there.
                 measure("jax_ragged_dot", lambda: time_jax(ragged_dot, slow_sets, runs), results)
                 config = best_mgpu.get(projection)
-                if not args.mgpu:
-                    pass  # --no-mgpu: not measured in this run
-                elif config is None:
+                if args.mgpu and config is None:
                     results["ragged_dot_mgpu"] = {"error": "no configuration of the sweep compiled"}
-                else:
+                elif args.mgpu:
                     measure("ragged_dot_mgpu", lambda: time_jax(mgpu(config), sets, runs), results)
                     results["ragged_dot_mgpu"]["config"] = config
                 if have_torch:
@@ -322,9 +320,13 @@ def full_mlp(cc: int, runs: int, bandwidth: float):
     out = {"rows": MLP_ROWS, "ms": ms, "byte_floor_ms": floor_ms, "bytes": float(np.mean(active_bytes)),
            "ratio_to_floor": ms / floor_ms}
     if _native_available():
-        gate_up, down = native_fn(Op.GATE_UP_SWIGLU, cc), native_fn(Op.MATMUL, cc)
-        out["native_ms"] = time_jax(lambda x, q_gu, q_d, g: down(gate_up(x, None, None, q_gu, g), None, None, q_d, g),
-                                    sets, runs)
+        from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton and jax-triton)
+
+        def native_mlp(x, q_gu, q_d, g):
+            h = native.run(Op.GATE_UP_SWIGLU, x, q_gu, g, compute_capability=cc)
+            return native.run(Op.MATMUL, h, q_d, g, compute_capability=cc)
+
+        out["native_ms"] = time_jax(native_mlp, sets, runs)
     return out
 
 
@@ -537,6 +539,7 @@ def main():
     parser.add_argument("--runs", type=int, default=20, help="timed runs per case (>= 20 for the benchmark)")
     parser.add_argument("--sweep", action="store_true", help="sweep our tile configurations instead")
     parser.add_argument("--routings", nargs="+", choices=ROUTINGS, default=list(ROUTINGS))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help="row counts M (default: all)")
     parser.add_argument("--no-mgpu", dest="mgpu", action="store_false",
                         help="skip JAX's Mosaic ragged_dot_mgpu (its tuning sweep takes minutes)")
     args = parser.parse_args()

@@ -293,7 +293,7 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
 #: Where auto puts the native kernels for NVFP4 inference, per capability, and the measurement
 #: (or its absence) that says so.
 NATIVE_VS_PALLAS = {
-    90: ("pallas", "on an H200 the Pallas kernels beat the W4A16 Triton kernels at every size measured "
+    90: ("pallas", "on an H200 the W4A16 Triton kernels were not faster than the Pallas kernels "
                    "(benchmarks/results/native_h200.md)"),
     100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
                     "check with `moe-jax selftest`)"),
@@ -308,9 +308,10 @@ def _auto_order(target: Target, config: MoEConfig):
                                              "the input- and weight-gradient kernels), else the reference")
     if config.weight_format == "nvfp4" and target.compute_capability is not None:
         cc = target.compute_capability
-        first, why = NATIVE_VS_PALLAS.get(cc, NATIVE_VS_PALLAS[90] if cc < 100 else NATIVE_VS_PALLAS[120])
-        if cc not in NATIVE_VS_PALLAS:
-            why = f"SM{cc} was never measured; as on SM{90 if cc < 100 else 120}: {why}"
+        known = cc if cc in NATIVE_VS_PALLAS else (90 if cc < 100 else 120)
+        first, why = NATIVE_VS_PALLAS[known]
+        if known != cc:
+            why = f"SM{cc} was never measured; as on SM{known}: {why}"
         order = ("triton", "pallas", "xla") if first == "triton" else ("pallas", "triton", "xla")
         return order, f"NVFP4 inference: {why}"
     return ("pallas", "xla", "triton"), "the Pallas kernels where they can run, else the reference"

@@ -28,7 +28,9 @@ import numpy as np
 from moe_jax import nvfp4
 from moe_jax.config import MoEConfig
 from moe_jax.experts import EXPERT_GEMM
+from moe_jax.layer import random_params
 from moe_jax.resolve import ResolutionError, resolve
+from pallas_kernels.grouped_matmul import reference
 
 #: Relative Frobenius error allowed against the float64 reference. bf16 output rounding alone is
 #: ~3e-3; W4A4 adds the rounding of the SwiGLU output, which the reference quantizes from its own
@@ -67,32 +69,10 @@ class Result:
         return not self.failure and self.error < self.tolerance
 
 
-def _random_weights(key, shape: Shape, fmt: str):
-    """``{"w_gate_up_egh", "w_down_ehf"}`` on the device: bf16 normal / sqrt(K), or NVFP4 with
-    random codes, block scales in [0.5, 1.5] and a global scale that keeps outputs O(1)."""
-    out = {}
-    for i, (name, n, k) in enumerate((("w_gate_up_egh", 2 * shape.intermediate, shape.hidden),
-                                      ("w_down_ehf", shape.hidden, shape.intermediate))):
-        k_w, k_s = jax.random.split(jax.random.fold_in(key, i))
-        if fmt == "bf16":
-            out[name] = (jax.random.normal(k_w, (shape.experts, n, k), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
-        else:
-            out[name] = nvfp4.NVFP4Tensor(
-                packed=jax.random.bits(k_w, (shape.experts, n, k // 2), jnp.uint8),
-                scales=jax.random.uniform(k_s, (shape.experts, n, k // 16), jnp.float32, 0.5, 1.5).astype(
-                    jnp.float8_e4m3fn),
-                global_scale=jnp.full((shape.experts,), 1.0 / (3 * math.sqrt(k)), jnp.float32))
-    return out
-
-
-def _dense_expert(w, e: int) -> np.ndarray:
+def _expert(w, e: int) -> np.ndarray:
     """Expert ``e`` of a bf16 or NVFP4 weight as float64 ``[N, K]`` (only that expert leaves the device)."""
     if isinstance(w, nvfp4.NVFP4Tensor):
-        packed, scales, g = jax.device_get((w.packed[e], w.scales[e], w.global_scale[e]))
-        codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-        values = np.asarray(nvfp4.E2M1_VALUES, np.float64)[codes]
-        block = np.asarray(scales).astype(np.float64) * float(g)
-        return (values.reshape(*block.shape, 16) * block[..., None]).reshape(values.shape)
+        return reference.dequantize(*jax.device_get((w.packed[e:e + 1], w.scales[e:e + 1], w.global_scale[e:e + 1])))[0]
     return np.asarray(jax.device_get(w[e])).astype(np.float64)
 
 
@@ -100,10 +80,7 @@ def _as_nvfp4_rows(a_mk: np.ndarray) -> np.ndarray:
     """float64 rows quantized to NVFP4 per row (on the host CPU, the kernels' quantizer's bits)."""
     cpu = jax.devices("cpu")[0]
     packed, scales, g = jax.device_get(nvfp4.quantize_rows(jax.device_put(jnp.asarray(a_mk, jnp.float32), cpu)))
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    values = np.asarray(nvfp4.E2M1_VALUES, np.float64)[codes]
-    block = np.asarray(scales).astype(np.float64) * np.asarray(g, np.float64)[:, None]
-    return (values.reshape(*block.shape, 16) * block[..., None]).reshape(values.shape)
+    return reference.dequantize(packed[:, None], scales[:, None], g)[:, 0]
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -143,7 +120,8 @@ def check(name: str, shape: Shape, fmt: str, device, rng: np.random.Generator, *
     result = Result(name, mode, f"SM{cc}" if cc else plan.target.platform, shape.name, fmt, math.inf,
                     TOLERANCE["w4a4" if mode == "w4a4" else "other"], math.nan)
     with jax.default_device(device):
-        weights = _random_weights(jax.random.key(int(rng.integers(1 << 31))), shape, fmt)
+        # Drawn in the stored format where they will live (no float32 copy at Kimi K2 size).
+        weights = random_params(config, jax.random.key(int(rng.integers(1 << 31))))["experts"]
         x = jnp.asarray(rng.standard_normal((rows, shape.hidden)), jnp.bfloat16)
         stage = jax.jit(lambda x, g, w: EXPERT_GEMM[name].run(x, g, w, plan))
         try:
@@ -163,8 +141,8 @@ def check(name: str, shape: Shape, fmt: str, device, rng: np.random.Generator, *
     starts = np.concatenate([[0], np.cumsum(sizes)])
     sq_err = sq_ref = 0.0
     for e in shape.checked_experts:
-        ref = reference_rows(x64[starts[e]:starts[e + 1]], _dense_expert(weights["w_gate_up_egh"], e),
-                             _dense_expert(weights["w_down_ehf"], e), mode == "w4a4")
+        ref = reference_rows(x64[starts[e]:starts[e + 1]], _expert(weights["w_gate_up_egh"], e),
+                             _expert(weights["w_down_ehf"], e), mode == "w4a4")
         got = np.nan_to_num(y64[starts[e]:starts[e + 1]], nan=1e30, posinf=1e30, neginf=-1e30)
         sq_err += float(np.sum((got - ref) ** 2))
         sq_ref += float(np.sum(ref**2))

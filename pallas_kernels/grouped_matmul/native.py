@@ -43,14 +43,13 @@ import triton.language as tl
 
 from pallas_kernels.grouped_matmul import triton as pallas_backend
 from pallas_kernels.grouped_matmul import tuning
-from pallas_kernels.grouped_matmul.tuning import Op, Variant
+from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
 _FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
 
 #: log2 of the factor the W4A16 operand is short of ``value * scale`` (as in the Pallas kernels).
 OPERAND_EXPONENT_DEFICIT = pallas_backend.OPERAND_EXPONENT_DEFICIT
-_BLOCK = 16  # NVFP4 elements per block scale.
 
 
 class Mode(enum.Enum):
@@ -65,58 +64,29 @@ def mode_for(compute_capability: int) -> Mode:
     return Mode.W4A4 if compute_capability >= 100 else Mode.W4A16
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NativeTile:
-    """One launch configuration: ``block_m`` token rows, ``block_n`` weight rows (per half for
-    the fused op), ``block_k`` reduction elements per step, warps, pipeline stages, and the
-    row tiles visited per sweep over the column tiles (L2 raster)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_t: int = 1 << 20
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"NativeTile.{name}: {value}, expected a power of two")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 64:
-            raise ValueError(f"NativeTile: {self}, expected block_m, block_n >= 16 and block_k >= 64")
-
-    def shared_memory_estimate(self, mode: Mode, op: Op) -> int:
-        """Bytes of operand tiles the K pipeline holds in flight (a lower bound on Triton's)."""
-        halves = 2 if op is Op.GATE_UP_SWIGLU else 1
-        w_bytes = self.block_n * (self.block_k // 2 + self.block_k // _BLOCK)
-        x_bytes = self.block_m * (self.block_k // 2 + self.block_k // _BLOCK if mode is Mode.W4A4 else 2 * self.block_k)
-        return self.num_stages * (x_bytes + halves * w_bytes)
-
-
 _TileKey = tuple[Variant, Op]
 
 
-def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey, NativeTile]:
+def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey, TileConfig]:
     return {(Variant.DECODE, Op.MATMUL): decode_mm, (Variant.DECODE, Op.GATE_UP_SWIGLU): decode_fused,
             (Variant.PREFILL, Op.MATMUL): prefill_mm, (Variant.PREFILL, Op.GATE_UP_SWIGLU): prefill_fused}
 
 
-def _t(m, n, k, warps, stages, group_t=1 << 20):
-    return NativeTile(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t)
+_d, _p = tuning.decode_tile, tuning.prefill_tile
 
 
-# Per capability. SM90 was swept on an H200 (benchmarks/results/native_h200/); SM100 and SM120
-# are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared memory per
-# block) and cross-compiled in CI (tests/pallas_kernels/test_native_crosscompile.py), never run.
-# SM80/SM89 take the SM90 shapes with fewer stages (mma.sync, less shared memory), not measured.
-NATIVE_TILES: dict[int, dict[_TileKey, NativeTile]] = {
-    80: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(64, 128, 64, 8, 3, 8), _t(64, 64, 64, 8, 3, 8)),
-    89: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(64, 128, 64, 8, 2, 8), _t(64, 64, 64, 8, 2, 8)),
-    90: _tiles(_t(16, 128, 128, 4, 3), _t(16, 64, 128, 4, 3), _t(128, 128, 64, 8, 4, 8), _t(128, 64, 64, 8, 3, 8)),
-    100: _tiles(_t(16, 128, 256, 4, 4), _t(16, 64, 256, 4, 3), _t(128, 128, 128, 8, 3, 8),
-                _t(128, 64, 128, 8, 3, 8)),
-    120: _tiles(_t(16, 128, 256, 4, 3), _t(16, 64, 256, 4, 3), _t(64, 128, 256, 4, 2, 8), _t(64, 64, 256, 4, 2, 8)),
+# Per capability, none swept. SM90 takes the Pallas kernels' SM90 NVFP4 shapes (the prefill tiles
+# with 8 warps: with 4 they spilled), timed on an H200 (benchmarks/results/native_h200/). SM100 and
+# SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared memory
+# per block) and cross-compiled in CI (tests/pallas_kernels/test_native_crosscompile.py), never
+# run. SM80/SM89 take the SM90 shapes with fewer stages (mma.sync, less shared memory), not run.
+NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
+    80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
+    89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
+    90: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(128, 128, 64, 8, 4), _p(128, 64, 64, 8, 3)),
+    100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
+                _p(128, 64, 128, 8, 3)),
+    120: _tiles(_d(16, 128, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 256, 4, 2), _p(64, 64, 256, 4, 2)),
 }
 
 
@@ -132,7 +102,7 @@ class NativeSpec:
 
     mode: Mode
     op: Op
-    tile: NativeTile
+    tile: TileConfig
     num_rows: int
     k: int
     n_out: int
@@ -159,37 +129,12 @@ class NativeSpec:
         )
 
 
-# Four packed bytes b0..b3 (element 2i in the low nibble of byte i) in $4. Out: $0, $1 the low
-# nibbles of (b0, b1) and (b2, b3) as bf16 pairs, $2, $3 the high nibbles. prmt moves byte i to
-# the top byte of a 16-bit lane, where a high nibble's sign (bit 3) is the bf16 sign and its
-# magnitude bits, shifted down by 6, land in exponent bits 7..8 and mantissa bit 6: the bf16 is
-# ``value * 2**-126``. The low nibbles first move up by 4.
-_E2M1_TO_BF16_PTX = tl.constexpr("""
-{
-.reg .b32 q, t, s;
-shl.b32 q, $4, 4;
-prmt.b32 t, q, 0, 0x1404;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $0, t, s;
-prmt.b32 t, q, 0, 0x3424;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $1, t, s;
-prmt.b32 t, $4, 0, 0x1404;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $2, t, s;
-prmt.b32 t, $4, 0, 0x3424;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $3, t, s;
-}
-""")
+# Four packed bytes in $4; out: $0, $1 the low nibbles of (b0, b1) and (b2, b3) as bf16 pairs
+# ``value * 2**-126``, $2, $3 the high nibbles (one asm with two results, which triton's
+# inline_asm_elementwise allows and the Pallas lowering does not).
+_E2M1_TO_BF16_PTX = tl.constexpr(
+    "{\n.reg .b32 q, t, s;\n" + pallas_backend.nibbles_to_bf16_ptx("$4", "low", "$0", "$1")
+    + pallas_backend.nibbles_to_bf16_ptx("$4", "high", "$2", "$3") + "}\n")
 
 
 @triton.jit
@@ -298,7 +243,7 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
 
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
-              compute_capability: int, tile: NativeTile | None = None) -> NativeSpec:
+              compute_capability: int, tile: TileConfig | None = None) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies."""
     check_capability(compute_capability)
     if tile is None:
@@ -380,7 +325,7 @@ def _check_weights(w, name: str, op: Op, num_experts: int, k: int) -> tuple[int,
 
 
 def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
-        tile: NativeTile | None = None, out=None) -> jax.Array:
+        tile: TileConfig | None = None, out=None) -> jax.Array:
     """One native kernel: ``op`` on the rows of ``x`` with NVFP4 weights ``w``.
 
     Args:
@@ -492,4 +437,4 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec", "NativeTile", "launch", "make_spec", "mode_for", "run"]
+__all__ = ["Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec", "launch", "make_spec", "mode_for", "run"]

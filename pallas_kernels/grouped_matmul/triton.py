@@ -163,30 +163,27 @@ def tile_schedule(group_sizes_e: jax.Array, *, num_rows: int, block_m: int, num_
 
 # --- NVFP4 dequantization -------------------------------------------------------------------
 
-# Four packed bytes b0..b3 (element 2i in the low nibble of byte i) in $2; out: $0, $1 the
-# nibbles of (b0, b1) and (b2, b3) as bf16 pairs. prmt moves byte i to the top byte of a
-# 16-bit lane, so a high nibble sits at lane bits 12..15: its sign (bit 3) is then the bf16
-# sign bit, and its magnitude bits shift down by 6 into exponent bits 7..8 and mantissa
-# bit 6. The low-nibble variant first shifts the word left by 4. (The Pallas lowering of
-# elementwise_inline_asm takes one result, hence one asm per nibble.)
-_NIBBLES_TO_BF16_PTX = """
-{{
-.reg .b32 q, t, s;
-{shift}
-prmt.b32 t, q, 0, 0x1404;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $0, t, s;
-prmt.b32 t, q, 0, 0x3424;
-and.b32 s, t, 0x70007000;
-shr.b32 s, s, 6;
-and.b32 t, t, 0x80008000;
-or.b32 $1, t, s;
-}}
-"""
-_LOW_NIBBLES_PTX = _NIBBLES_TO_BF16_PTX.format(shift="shl.b32 q, $2, 4;")
-_HIGH_NIBBLES_PTX = _NIBBLES_TO_BF16_PTX.format(shift="mov.b32 q, $2;")
+def nibbles_to_bf16_ptx(word: str, nibbles: str, out_01: str, out_23: str) -> str:
+    """PTX that turns the ``"low"`` or ``"high"`` nibbles of the four packed bytes b0..b3 in
+    register ``word`` (element 2i in the low nibble of byte i) into bf16 ``value * 2**-126``:
+    those of (b0, b1) as a pair into ``out_01``, of (b2, b3) into ``out_23``. Uses registers
+    ``q``, ``t``, ``s``, which the caller declares.
+
+    prmt moves byte i to the top byte of a 16-bit lane, so a high nibble sits at lane bits
+    12..15: its sign (bit 3) is then the bf16 sign bit, and its magnitude bits shift down by 6
+    into exponent bits 7..8 and mantissa bit 6. Low nibbles first move up by 4.
+    """
+    lines = [f"shl.b32 q, {word}, 4;" if nibbles == "low" else f"mov.b32 q, {word};"]
+    for out, selector in ((out_01, "0x1404"), (out_23, "0x3424")):
+        lines += [f"prmt.b32 t, q, 0, {selector};", "and.b32 s, t, 0x70007000;", "shr.b32 s, s, 6;",
+                  "and.b32 t, t, 0x80008000;", f"or.b32 {out}, t, s;"]
+    return "\n".join(lines) + "\n"
+
+
+# The Pallas lowering of elementwise_inline_asm takes one result, hence one asm per nibble:
+# bytes in $2, the pairs out in $0 and $1.
+_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX = (
+    "{\n.reg .b32 q, t, s;\n" + nibbles_to_bf16_ptx("$2", nibbles, "$0", "$1") + "}\n" for nibbles in ("low", "high"))
 
 
 def _e2m1_halves_ptx(packed):

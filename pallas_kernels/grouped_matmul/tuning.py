@@ -106,11 +106,11 @@ def _row(decode_bf16, decode_nvfp4, prefill_bf16, prefill_nvfp4, *, decode_bf16_
 _ALL_ROWS = 1 << 20
 
 
-def _decode(m, n, k, warps, stages) -> TileConfig:
+def decode_tile(m, n, k, warps, stages) -> TileConfig:
     return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=_ALL_ROWS)
 
 
-def _prefill(m, n, k, warps, stages, group_t=8) -> TileConfig:
+def prefill_tile(m, n, k, warps, stages, group_t=8) -> TileConfig:
     return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t)
 
 
@@ -122,34 +122,34 @@ def _prefill(m, n, k, warps, stages, group_t=8) -> TileConfig:
 # N under swap-AB) and block_n weight rows, in both variants.
 TILE_TABLE: dict[int, dict[Key, TileConfig]] = {
     80: _row(
-        _decode(16, 64, 256, 4, 4), _decode(16, 128, 256, 4, 4),
-        _prefill(128, 128, 64, 8, 4), _prefill(128, 128, 64, 8, 3),
-        decode_bf16_fused=_decode(16, 64, 128, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 4),
-        prefill_bf16_fused=_prefill(128, 64, 64, 8, 4), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+        decode_tile(16, 64, 256, 4, 4), decode_tile(16, 128, 256, 4, 4),
+        prefill_tile(128, 128, 64, 8, 4), prefill_tile(128, 128, 64, 8, 3),
+        decode_bf16_fused=decode_tile(16, 64, 128, 4, 4), decode_nvfp4_fused=decode_tile(16, 64, 256, 4, 4),
+        prefill_bf16_fused=prefill_tile(128, 64, 64, 8, 4), prefill_nvfp4_fused=prefill_tile(128, 64, 64, 8, 3),
     ),
     89: _row(
-        _decode(16, 64, 128, 4, 4), _decode(16, 64, 256, 4, 4),
-        _prefill(128, 128, 64, 8, 3), _prefill(128, 128, 64, 8, 3),
-        decode_bf16_fused=_decode(16, 64, 64, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 3),
-        prefill_bf16_fused=_prefill(128, 64, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+        decode_tile(16, 64, 128, 4, 4), decode_tile(16, 64, 256, 4, 4),
+        prefill_tile(128, 128, 64, 8, 3), prefill_tile(128, 128, 64, 8, 3),
+        decode_bf16_fused=decode_tile(16, 64, 64, 4, 4), decode_nvfp4_fused=decode_tile(16, 64, 256, 4, 3),
+        prefill_bf16_fused=prefill_tile(128, 64, 64, 8, 3), prefill_nvfp4_fused=prefill_tile(128, 64, 64, 8, 3),
     ),
     90: _row(
-        _decode(16, 128, 128, 4, 5), _decode(16, 128, 128, 4, 3),
-        _prefill(128, 256, 64, 8, 3), _prefill(128, 128, 64, 4, 4),
-        decode_bf16_fused=_decode(16, 64, 128, 4, 5), decode_nvfp4_fused=_decode(16, 64, 128, 4, 3),
-        prefill_bf16_fused=_prefill(128, 128, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 128, 64, 8, 3),
+        decode_tile(16, 128, 128, 4, 5), decode_tile(16, 128, 128, 4, 3),
+        prefill_tile(128, 256, 64, 8, 3), prefill_tile(128, 128, 64, 4, 4),
+        decode_bf16_fused=decode_tile(16, 64, 128, 4, 5), decode_nvfp4_fused=decode_tile(16, 64, 128, 4, 3),
+        prefill_bf16_fused=prefill_tile(128, 128, 64, 8, 3), prefill_nvfp4_fused=prefill_tile(128, 128, 64, 8, 3),
     ),
     100: _row(
-        _decode(16, 128, 128, 4, 5), _decode(16, 128, 256, 4, 4),
-        _prefill(128, 256, 64, 8, 3), _prefill(128, 256, 64, 8, 3),
-        decode_bf16_fused=_decode(16, 64, 128, 4, 5), decode_nvfp4_fused=_decode(16, 64, 256, 4, 4),
-        prefill_bf16_fused=_prefill(128, 128, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 128, 64, 8, 3),
+        decode_tile(16, 128, 128, 4, 5), decode_tile(16, 128, 256, 4, 4),
+        prefill_tile(128, 256, 64, 8, 3), prefill_tile(128, 256, 64, 8, 3),
+        decode_bf16_fused=decode_tile(16, 64, 128, 4, 5), decode_nvfp4_fused=decode_tile(16, 64, 256, 4, 4),
+        prefill_bf16_fused=prefill_tile(128, 128, 64, 8, 3), prefill_nvfp4_fused=prefill_tile(128, 128, 64, 8, 3),
     ),
     120: _row(
-        _decode(16, 64, 128, 4, 4), _decode(16, 64, 256, 4, 4),
-        _prefill(128, 128, 64, 8, 3), _prefill(128, 128, 64, 8, 3),
-        decode_bf16_fused=_decode(16, 64, 64, 4, 4), decode_nvfp4_fused=_decode(16, 64, 256, 4, 3),
-        prefill_bf16_fused=_prefill(128, 64, 64, 8, 3), prefill_nvfp4_fused=_prefill(128, 64, 64, 8, 3),
+        decode_tile(16, 64, 128, 4, 4), decode_tile(16, 64, 256, 4, 4),
+        prefill_tile(128, 128, 64, 8, 3), prefill_tile(128, 128, 64, 8, 3),
+        decode_bf16_fused=decode_tile(16, 64, 64, 4, 4), decode_nvfp4_fused=decode_tile(16, 64, 256, 4, 3),
+        prefill_bf16_fused=prefill_tile(128, 64, 64, 8, 3), prefill_nvfp4_fused=prefill_tile(128, 64, 64, 8, 3),
     ),
 }
 
@@ -160,11 +160,11 @@ TILE_TABLE: dict[int, dict[Key, TileConfig]] = {
 # 48 experts, Kimi K2's projections, 8192 and 32768 rows); the others are sized to each chip's
 # shared memory and registers, not measured (SM100/SM120 are cross-compiled in CI).
 WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
-    80: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 128, 8, 3, group_t=1)),
-    89: (_prefill(32, 64, 128, 4, 3, group_t=1), _prefill(32, 64, 128, 4, 3, group_t=1)),
-    90: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 256, 8, 3, group_t=1)),
-    100: (_prefill(32, 128, 128, 4, 4, group_t=1), _prefill(64, 128, 256, 8, 3, group_t=1)),
-    120: (_prefill(32, 64, 128, 4, 3, group_t=1), _prefill(32, 64, 128, 4, 3, group_t=1)),
+    80: (prefill_tile(32, 128, 128, 4, 4, group_t=1), prefill_tile(64, 128, 128, 8, 3, group_t=1)),
+    89: (prefill_tile(32, 64, 128, 4, 3, group_t=1), prefill_tile(32, 64, 128, 4, 3, group_t=1)),
+    90: (prefill_tile(32, 128, 128, 4, 4, group_t=1), prefill_tile(64, 128, 256, 8, 3, group_t=1)),
+    100: (prefill_tile(32, 128, 128, 4, 4, group_t=1), prefill_tile(64, 128, 256, 8, 3, group_t=1)),
+    120: (prefill_tile(32, 64, 128, 4, 3, group_t=1), prefill_tile(32, 64, 128, 4, 3, group_t=1)),
 }
 #: Rows per expert (on average) from which the weight gradient takes the second tile of its pair.
 WEIGHT_GRAD_MANY_ROWS = 512

@@ -24,11 +24,12 @@ def _load(name: str):
 
 def test_grouped_gemm_page_is_rendered_from_its_json():
     bench = _load("grouped_gemm")
-    data = json.loads((RESULTS / "grouped_gemm.json").read_text())
-    cases = [bench.Case(**case) for case in data["cases"]]
-    goals = bench.targets(cases, data["mlp"])
-    assert goals == data["targets"]
-    assert bench.markdown(data, cases, data["mlp"], goals) == (RESULTS / "grouped_gemm.md").read_text()
+    for folder in (RESULTS, RESULTS / "native_h200"):
+        data = json.loads((folder / "grouped_gemm.json").read_text())
+        cases = [bench.Case(**case) for case in data["cases"]]
+        goals = bench.targets(cases, data["mlp"])
+        assert goals == data["targets"]
+        assert bench.markdown(data, cases, data["mlp"], goals) == (folder / "grouped_gemm.md").read_text()
 
 
 def test_ncu_pages_are_rendered_from_their_exports():

@@ -129,40 +129,67 @@ class NativeSpec:
         )
 
 
-# Four packed bytes in $4; out: $0, $1 the low nibbles of (b0, b1) and (b2, b3) as bf16 pairs
-# ``value * 2**-126``, $2, $3 the high nibbles (one asm with two results, which triton's
-# inline_asm_elementwise allows and the Pallas lowering does not).
-_E2M1_TO_BF16_PTX = tl.constexpr(
-    "{\n.reg .b32 q, t, s;\n" + pallas_backend.nibbles_to_bf16_ptx("$4", "low", "$0", "$1")
-    + pallas_backend.nibbles_to_bf16_ptx("$4", "high", "$2", "$3") + "}\n")
+# One packed word (bytes b0..b3, element 2i in the low nibble of byte i) in $8 and its block
+# scale (bf16, ``scale * 2**119``) in $9; out: eight bf16 ``value * scale * 2**-7``, as four
+# pairs ($0, $1) .. ($6, $7), each pair one 32-bit register that goes into the MMA as it is.
+# A pair takes two codes 16 bits apart; once they sit at bits 12..15 and 28..31 their signs are in
+# place and their magnitudes move down by 6 (exponent bits 7..8, mantissa bit 6): ``(x & 0x80008000)
+# | ((x >> 6) & 0x01c001c0)`` is ``value * 2**-126``, and one bf16x2 FMA with -0 (``mul.bf16x2``
+# needs SM90) applies the scale exactly.
+# Pairs: hi(b1), hi(b3) at shift 0; hi(b0), hi(b2) at 8; lo(b1), lo(b3) at 4; lo(b0), lo(b2) at 12.
+def _pair_ptx(shift: int, out_lo: str, out_hi: str) -> str:
+    x = "$8" if shift == 0 else "x"
+    return ("" if shift == 0 else f"shl.b32 x, $8, {shift};\n") + (
+        f"and.b32 p, {x}, 0x80008000;\nshr.b32 m, {x}, 6;\nand.b32 m, m, 0x01c001c0;\nor.b32 p, p, m;\n"
+        f"fma.rn.bf16x2 p, p, s2, z;\nmov.b32 {{{out_lo}, {out_hi}}}, p;\n")
+
+
+_WORD_TO_BF16_PTX = tl.constexpr(
+    "{\n.reg .b32 x, p, m, s2, z;\nmov.b32 s2, {$9, $9};\nmov.b32 z, 0x80008000;\n" + _pair_ptx(12, "$0", "$1") + _pair_ptx(8, "$2", "$3")
+    + _pair_ptx(4, "$4", "$5") + _pair_ptx(0, "$6", "$7") + "}\n")
+
+#: The nibble (element ``8w + n`` of word ``w``) that asm output ``j`` holds: pairs
+#: (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3), (hi b1, hi b3).
+_OUTPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def permute_k(x_mk, block_k: int):
+    """``x [M, K]`` -> its columns in the order of the dequantized W4A16 tiles (:func:`_dequantize_w4a16`).
+
+    Within each ``block_k`` chunk, thread column ``c`` (of 4) of the MMA fragment reads ``G =
+    block_k / 32`` consecutive packed words (``G * 4`` bytes in one load); the word ``w = c G + g``
+    and output ``j = 2p + t`` (pair ``p = h + 2 g0``) of :data:`_WORD_TO_BF16_PTX` feed MMA column
+    ``t + 2c + 8h + 16 g0 + 32 g``, which holds element ``8w + _OUTPUT_NIBBLE[j]`` of the chunk.
+    """
+    m, k = x_mk.shape
+    g = block_k // 32
+    # Element digits within a chunk (most significant first): c, g, t, g0, h.
+    blocks = x_mk.reshape(m, k // block_k, 4, g, 2, 2, 2)
+    return blocks.transpose(0, 1, 3, 5, 6, 2, 4).reshape(m, k)
 
 
 @triton.jit
-def _dequantize_w4a16(packed_nj, scales_nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """uint8 ``[bn, bk/2]`` codes and uint8 ``[bn, bk/16]`` E4M3 bits -> bf16 ``[bn, bk]`` holding
-    ``value * scale * 2**-7`` exactly (at most 6 significant bits, far from both ends of bf16),
-    its columns in :attr:`~pallas_kernels.grouped_matmul.triton.Order.FRAGMENT` order.
+def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 ``[bn, bk/8]`` packed words and uint8 ``[bn, bk/16]`` E4M3 bits -> bf16 ``[bn, bk]``
+    holding ``value * scale * 2**-7`` exactly (at most 6 significant bits, far from both ends of
+    bf16), its columns in :func:`permute_k`'s order.
 
-    Fragment order puts the four bytes a thread's MMA fragment needs next to each other and pairs
-    the two bf16 an asm output register holds as the fragment pairs them, so the tile goes from
-    the asm into the MMA without re-pairing (memory order measured 1.3-1.6x slower on an H200);
-    ``x`` is permuted to match before the kernel (:func:`~pallas_kernels.grouped_matmul.triton.permute_k`).
+    Each thread dequantizes whole words it loaded with one vector load, and each asm output pair
+    is one MMA operand register: no byte gathering, no re-pairing.
     """
-    lo, hi = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r", [packed_nj],
-                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     # The E4M3 bits placed into a bf16 give scale * 2**-120; two exact power-of-two steps
     # (2**239 does not fit one bf16) make it scale * 2**119.
-    bits = scales_nb.to(tl.uint16)
+    bits = scales_rb.to(tl.uint16)
     placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
-    scale_nb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
-    # Byte 16b + 4q + 2t + s of the tile holds elements 32b + 8q + 4t + 2s + {0 (lo), 1 (hi)};
-    # its scale is block 2b + q // 2.
-    scale_bq = tl.broadcast_to(tl.reshape(scale_nb, (BLOCK_N, BLOCK_K // 32, 2, 1)), (BLOCK_N, BLOCK_K // 32, 2, 2))
-    scale_bq = tl.reshape(scale_bq, (BLOCK_N, BLOCK_K // 32, 4, 1, 1))
-    lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)) * scale_bq
-    hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 32, 4, 2, 2)) * scale_bq
-    w = tl.permute(tl.join(lo, hi), (0, 1, 3, 5, 2, 4))  # (n, b, q, t, s, lo/hi) -> (n, b, t, lo/hi, q, s)
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    scale_rb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
+    # Two words per block scale.
+    scale_rw = tl.reshape(tl.join(scale_rb, scale_rb), (BLOCK_N, BLOCK_K // 8))
+    o = tl.inline_asm_elementwise(_WORD_TO_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words_rw, scale_rw],
+                                  dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # [n, w, t, h, g0] from pair p = h + 2 g0 and half t; w = c G + g.
+    q = tl.join(tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])), tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7])))
+    q = tl.reshape(q, (BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2))  # [n, c, g, t, h, g0]
+    return tl.reshape(tl.permute(q, (0, 2, 5, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [n, g, g0, h, c, t]
 
 
 @triton.jit
@@ -202,7 +229,11 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         r = tl.arange(0, R)
         half_r = r // BLOCK_N
         w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        if W4A4:
+            w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
+            w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
+                    + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
         ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
                  + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
         acc = tl.zeros((R, BLOCK_M), tl.float32)
@@ -213,9 +244,9 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         else:
             x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
         for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
-            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
-            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
             if W4A4:
+                w_rj = tl.load(w_at + i * (BLOCK_K // 2))
+                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
                 x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
                 # A masked row's scales read as 0: its products vanish whatever its codes.
                 xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
@@ -223,7 +254,9 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
                                     xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
             else:
                 x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
-                acc = tl.dot(_dequantize_w4a16(w_rj, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
+                w_rw = tl.load(w_at + i * (BLOCK_K // 8))
+                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+                acc = tl.dot(_dequantize_w4a16(w_rw, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
         # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
         # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
         if W4A4:
@@ -372,7 +405,7 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         case Mode.W4A16:
             # x's columns in the dequantized tiles' order; the one-element placeholders (unread
             # by W4A16) keep a single kernel signature.
-            rows = (pallas_backend.permute_k(x), jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
+            rows = (permute_k(x, spec.block_k), jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
     return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),

@@ -293,8 +293,10 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
 #: Where auto puts the native kernels for NVFP4 inference, per capability, and the measurement
 #: (or its absence) that says so.
 NATIVE_VS_PALLAS = {
-    90: ("pallas", "on an H200 the W4A16 Triton kernels were not faster than the Pallas kernels "
-                   "(benchmarks/results/native_h200.md)"),
+    90: ("triton", "on an H200 the W4A16 Triton kernels ran the whole Kimi K2 NVFP4 layer faster than the "
+                   "Pallas kernels at 32 to 8192 tokens (benchmarks/results/layer_h200/layer.md)"),
+    # Never measured: the older path until a run there says otherwise.
+    80: ("pallas", "SM80 and SM89 were never measured; the Pallas kernels are the longer-tested path"),
     100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
                     "check with `moe-jax selftest`)"),
     120: ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
@@ -308,7 +310,7 @@ def _auto_order(target: Target, config: MoEConfig):
                                              "the input- and weight-gradient kernels), else the reference")
     if config.weight_format == "nvfp4" and target.compute_capability is not None:
         cc = target.compute_capability
-        known = cc if cc in NATIVE_VS_PALLAS else (90 if cc < 100 else 120)
+        known = cc if cc in NATIVE_VS_PALLAS else (80 if cc < 90 else 90 if cc < 100 else 120)
         first, why = NATIVE_VS_PALLAS[known]
         if known != cc:
             why = f"SM{cc} was never measured; as on SM{known}: {why}"

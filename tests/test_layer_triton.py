@@ -43,8 +43,9 @@ def test_triton_cannot_run_on_cpu_and_says_why(cpu_devices):
 @pytest.mark.parametrize("device_kind,chosen,why", [
     ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "triton", "cross-compiled, not run here"),
     ("NVIDIA B200", "triton", "cross-compiled, not run here"),
-    ("NVIDIA H200", "pallas", "benchmarks/results/native_h200.md"),
-    ("NVIDIA A100-SXM4-80GB", "pallas", "SM80 was never measured"),
+    ("NVIDIA H200", "triton", "benchmarks/results/layer_h200/layer.md"),
+    ("NVIDIA A100-SXM4-80GB", "pallas", "SM80 and SM89 were never measured"),
+    ("NVIDIA L40S", "pallas", "SM89 was never measured; as on SM80"),
 ])
 def test_auto_picks_per_architecture_and_cites_why(device_kind, chosen, why):
     _needs_native_installed()

@@ -75,15 +75,16 @@ def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey,
 _d, _p = tuning.decode_tile, tuning.prefill_tile
 
 
-# Per capability, none swept. SM90 takes the Pallas kernels' SM90 NVFP4 shapes (the prefill tiles
-# with 8 warps: with 4 they spilled), timed on an H200 (benchmarks/results/native_h200/). SM100 and
-# SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared memory
-# per block) and cross-compiled in CI (tests/pallas_kernels/test_native_crosscompile.py), never
-# run. SM80/SM89 take the SM90 shapes with fewer stages (mma.sync, less shared memory), not run.
+# Per capability. SM90: the fastest of a sweep on an H200 at Kimi K2's real size (384 experts;
+# benchmarks/native_sweep.py, benchmarks/results/native_h200/native_sweep.json): decode at 256 and
+# 2048 rows, prefill at 65536. SM100 and SM120 are sized to the chips (tcgen05 wants 128 MMA rows;
+# SM120 has about 99 KB of shared memory per block) and cross-compiled in CI
+# (tests/pallas_kernels/test_native_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
+# with fewer stages (mma.sync, less shared memory), not run.
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(128, 128, 64, 8, 4), _p(128, 64, 64, 8, 3)),
+    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3), _p(128, 64, 128, 8, 3)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
     120: _tiles(_d(16, 128, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 256, 4, 2), _p(64, 64, 256, 4, 2)),

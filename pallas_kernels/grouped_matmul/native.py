@@ -8,11 +8,13 @@ Two paths from one kernel source, one tiling and one indexing (:func:`_kernel`):
   triton 3.6 lowers to ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4`` on SM120 and
   ``tcgen05.mma ... kind::mxf4nvf4`` on SM100: the FP4 tensor cores, nothing dequantized.
 * ``Mode.W4A16`` (below 100; triton 3.6 cannot compile that ``dot_scaled`` for SM90): bf16
-  activations, the weight tile dequantized in registers by :data:`_E2M1_TO_BF16_PTX` on packed
-  32-bit words (each E2M1 code's bits placed straight into a bf16, Marlin's trick: one ``prmt``,
-  two ``and``, a shift and an ``or`` per two values) and one bf16 multiply per value for the block
-  scale, then ``tl.dot`` (wgmma on SM90, A from registers). Triton's software pipeline
-  (``num_stages``) keeps the next tiles' loads in flight while a tile is dequantized and multiplied.
+  activations, the weight tile dequantized in registers by :data:`_WORD_TO_BF16_PTX`: each thread
+  loads whole 32-bit words of packed codes (one vector load), places each code's bits straight
+  into a bf16 (Marlin's trick: a shift, two masks and a shift per pair of values) and applies the
+  block scale with one bf16x2 multiply per pair; each pair is one register of the MMA's A operand
+  as it is (``x``'s columns are permuted to match, :func:`permute_k`), so nothing is re-paired.
+  Then ``tl.dot`` (wgmma on SM90, A from registers). Triton's software pipeline (``num_stages``)
+  keeps the next tiles' loads in flight while a tile is dequantized and multiplied.
 
 Both are swap-AB: the weight tile is the MMA's M operand (``[block_n, block_k]``) and the token
 rows its N operand, so 16 token rows still feed 128-row MMAs. Weights are read in ModelOpt's

@@ -90,3 +90,42 @@ def test_w4a4_activation_rows_are_checked_field_by_field():
                             global_scale=jnp.ones((9,), jnp.float32))
     with pytest.raises(ValueError, match=r"^x\.global_scale: float32\[9\], expected float32 \[10\]$"):
         native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
+
+
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+def test_w4a16_word_pairs_and_column_order(block_k):
+    """The W4A16 tile, emulated in numpy from the PTX's shifts and masks: asm output ``j`` of word
+    ``w`` is element ``8w + _OUTPUT_NIBBLE[j]``; the kernel's join/reshape/permute of the outputs
+    puts element ``permute_k(arange)[k]`` in MMA column ``k``; and MMA thread column ``c``
+    (column bits 1-2) reads contiguous words (one vector load)."""
+    rng = np.random.default_rng(block_k)
+    codes = rng.integers(0, 16, size=(8, block_k))
+    words = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view("<u4").astype(np.uint64)
+    values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+
+    def placed(bits16):  # bf16 bits -> value * 2**126 (the PTX's placement, no scale)
+        sign = np.where(bits16 & 0x8000, -1.0, 1.0)
+        exponent, mantissa = (bits16 >> 7) & 0xFF, (bits16 & 0x7F) / 128
+        magnitude = np.where(exponent == 0, mantissa * 2.0**-126, (1 + mantissa) * 2.0 ** (exponent.astype(float) - 127))
+        return sign * magnitude * 2.0**126
+
+    outputs = []
+    for shift in (12, 8, 4, 0):  # the pairs of _WORD_TO_BF16_PTX, in output order
+        x = (words << shift) & 0xFFFFFFFF
+        p = (x & 0x80008000) | ((x >> 6) & 0x01C001C0)
+        outputs += [placed(p & 0xFFFF), placed(p >> 16)]
+    expected = np.where(codes & 8, -1.0, 1.0) * values[codes & 7]
+    for j, nibble in enumerate(native._OUTPUT_NIBBLE):
+        np.testing.assert_array_equal(outputs[j], expected[:, nibble::8])
+
+    def join(a, b):
+        return np.stack([a, b], axis=-1)
+
+    o = outputs
+    tile = join(join(join(o[0], o[1]), join(o[2], o[3])), join(join(o[4], o[5]), join(o[6], o[7])))
+    tile = tile.reshape(8, 4, block_k // 32, 2, 2, 2).transpose(0, 2, 5, 4, 1, 3).reshape(8, block_k)
+    perm = np.asarray(native.permute_k(jnp.arange(block_k)[None], block_k))[0]
+    np.testing.assert_array_equal(tile, expected[:, perm])
+    thread = (np.arange(block_k) >> 1) & 3
+    np.testing.assert_array_equal(perm // 8 // (block_k // 32), thread)
+    assert sorted(perm) == list(range(block_k))

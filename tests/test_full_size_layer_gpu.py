@@ -1,6 +1,7 @@
 """The full-size Kimi K2 MoE layer (384 experts, top-8, hidden 7168, NVFP4 experts and shared
-expert) on one GPU with ``auto`` (the Pallas kernels), after the allocator has been disturbed,
-at decode (32 tokens) and prefill (2048 tokens) sizes.
+expert) on one GPU with each GPU expert implementation (the Pallas kernels and the native
+Triton-language ones), after the allocator has been disturbed, at decode (32 tokens) and prefill
+(2048 tokens) sizes.
 
 Why: on an H200 this layer died with ``CUDA_ERROR_ILLEGAL_ADDRESS`` whenever the process had
 allocated and freed 4 GiB before creating its weights, and gave wrong outputs for every token
@@ -13,7 +14,7 @@ quantization of 384 dense experts); the router is random with one extra directio
 to the rows of experts 376..383, and a few chosen tokens carry a large component along ``u``,
 so the router itself sends them to exactly those experts. Checked:
 
-* the plan really runs the Pallas kernels (``expert_gemm == "pallas"``);
+* the plan really runs the implementation asked for (``plan.expert_gemm``);
 * every output is finite;
 * the chosen tokens are routed to experts 376..383 by a float64 routing of the same logits,
   and the device's expert counts agree with that routing (up to tokens whose top-8 is tied
@@ -29,6 +30,7 @@ Memory: about 10 GB of weights on the device, deleted before the host reference 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -117,11 +119,12 @@ def swiglu_mlp(x_th: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> n
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("expert_gemm", ["pallas", "triton"])
 @pytest.mark.parametrize("tokens", [32, 2048], ids=["decode", "prefill"])
-def test_full_size_kimi_k2_nvfp4_layer_after_allocator_perturbation(rng, record_property, tokens):
+def test_full_size_kimi_k2_nvfp4_layer_after_allocator_perturbation(rng, record_property, tokens, expert_gemm):
     perturb_allocator()  # before any weight exists
-    plan = resolve(CONFIG, jax.devices()[:1])
-    assert plan.target.platform == "cuda" and plan.expert_gemm == "pallas", plan.report
+    plan = resolve(dataclasses.replace(CONFIG, expert_gemm=expert_gemm), jax.devices()[:1])
+    assert plan.target.platform == "cuda" and plan.expert_gemm == expert_gemm, plan.report
     params, x, forced = make_inputs(rng, tokens)
 
     with jax.default_matmul_precision("highest"):  # the router's float32 logits: IEEE, not TF32

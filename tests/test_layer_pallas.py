@@ -146,11 +146,11 @@ def test_pallas_on_cpu_without_the_interpreter_raises(cpu_devices):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 def test_pallas_on_gpu_matches_the_reference(rng, weight_format):
-    config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format)  # auto must choose pallas
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format, expert_gemm="pallas")
     check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300)
 
 
 @pytest.mark.gpu
 def test_pallas_on_gpu_with_a_global_scale_per_gate_and_up_half(rng):
-    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4")
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="pallas")
     check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300, own_scales=True)

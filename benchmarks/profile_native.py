@@ -39,6 +39,7 @@ def main() -> None:
     if args.module:
         spec = importlib.util.spec_from_file_location("native_other", args.module)
         native = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = native  # (dataclasses look their module up while the file runs)
         spec.loader.exec_module(native)
     else:
         from pallas_kernels.grouped_matmul import native  # noqa: PLC0415

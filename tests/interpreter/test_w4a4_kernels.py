@@ -1,0 +1,169 @@
+"""The SM100/SM120 (W4A4) branch of the native kernels, executed in Triton's interpreter on CPU.
+
+The W4A4 kernels multiply on the FP4 tensor cores (``tl.dot_scaled`` e2m1 x e2m1 with E4M3
+scales); no SM100/SM120 GPU is available to this project, so this is where that branch runs:
+the kernel as the GPU would get it (``native.make_spec``'s tile for SM100 or SM120, the real
+tile schedule and the activations quantized by ``nvfp4.quantize_rows``), against a float64
+reference written here from the NVFP4 definition (E2M1 codes x E4M3 block scales x global
+scales, activations and weights alike), with NaN-poisoned outputs whose padding rows must stay
+NaN, and every load and store bounds-checked (``interpreted.VIOLATIONS``).
+
+Run by ``./run test`` in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import interpreted
+from moe_jax import nvfp4
+from pallas_kernels.grouped_matmul import native
+from pallas_kernels.grouped_matmul import triton as pallas_backend
+from pallas_kernels.grouped_matmul.tuning import Op, Variant
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
+
+
+def e2m1(packed_u8: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., K/2]`` -> float64 ``[..., K]`` (element 2i in the low nibble of byte i)."""
+    codes = np.stack([packed_u8 & 0xF, packed_u8 >> 4], axis=-1)
+    return E2M1[codes].reshape(*packed_u8.shape[:-1], -1)
+
+
+def e4m3(bits_u8: np.ndarray) -> np.ndarray:
+    return bits_u8.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def dequantized(packed, scales_u8, global_scale) -> np.ndarray:
+    """NVFP4 -> float64 ``[..., N, K]``; ``global_scale`` broadcasts over rows ``[..., N, 1]``."""
+    return e2m1(packed) * np.repeat(e4m3(scales_u8), 16, axis=-1) * global_scale
+
+
+def random_weights(rng, experts: int, n_w: int, k: int, scale_groups: int, used=None):
+    """Random NVFP4 weights ``[E, N_W, K]`` (all 16 codes, scales in [2**-9, 448] incl. subnormal
+    E4M3, global scales per expert or per gate/up half); only the experts in ``used`` are filled
+    (the rest stay zero pages: a 384-expert buffer costs what its used experts cost)."""
+    packed = np.zeros((experts, n_w, k // 2), np.uint8)
+    scales = np.zeros((experts, n_w, k // 16), np.uint8)
+    for e in range(experts) if used is None else used:
+        packed[e] = rng.integers(0, 256, (n_w, k // 2), dtype=np.uint8)
+        bits = rng.integers(0x01, 0x7F, (n_w, k // 16)).astype(np.uint8)  # every finite positive E4M3
+        scales[e] = np.where(rng.random((n_w, k // 16)) < 0.8, 0x30 + bits % 0x20, bits)  # mostly near 1
+    shape = (experts,) if scale_groups == 1 else (experts, 2)
+    global_scale = (rng.uniform(0.5, 2.0, shape) / (6 * 448 * np.sqrt(k))).astype(np.float32)
+    return packed, scales, global_scale
+
+
+def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, group_sizes: np.ndarray, *,
+                    cc: int, variant: Variant | None = None):
+    """The kernel on ``x_mk`` (float32, quantized per row first, as the layer does); returns
+    (bf16 output as float64 with NaN where unwritten, the quantized rows as float64)."""
+    m, k = x_mk.shape
+    experts, n_w = packed.shape[:2]
+    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    groups = 1 if global_scale.ndim == 1 else 2
+    tile = None if variant is None else native.NATIVE_TILES[cc][(variant, op)]
+    spec = native.make_spec(op, native.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+                            scale_groups=groups, compute_capability=cc, tile=tile)
+    x_packed, x_scales, x_global = (np.asarray(a) for a in nvfp4.quantize_rows(jnp.asarray(x_mk)))
+    schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m,
+                                            block_m=spec.tile.block_m, num_tiles=spec.max_tiles)
+    interpreted.reset()
+    out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
+    buffers = [interpreted.buffer(np.asarray(a, np.int32), name)
+               for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]
+    buffers += [interpreted.buffer(x_packed, "x.packed"), interpreted.buffer(x_scales.view(np.uint8), "x.scales"),
+                interpreted.buffer(x_global.astype(np.float32), "x.global_scale"),
+                interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
+                interpreted.buffer(global_scale.reshape(experts, groups), "w.global_scale"),
+                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
+    out_buffer = interpreted.buffer(out, "out")
+    native.kernel_function()[(spec.num_programs,)](*buffers, out_buffer, **spec.constexprs())
+    assert not interpreted.VIOLATIONS, interpreted.VIOLATIONS[:5]
+    a_mk = dequantized(x_packed, x_scales.view(np.uint8), x_global.astype(np.float64)[:, None])
+    return out_buffer.array.astype(np.float64), a_mk, spec
+
+
+def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.ndarray:
+    """float64 ``[sum(group_sizes), n_out]``."""
+    rows = []
+    start = 0
+    for e, size in enumerate(group_sizes):
+        g = global_scale[e]
+        n_w = packed.shape[1]
+        row_scale = np.repeat(np.atleast_1d(g), n_w // np.atleast_1d(g).size)[:, None]
+        y = a_mk[start:start + size] @ dequantized(packed[e], scales[e], row_scale).T
+        if op is Op.GATE_UP_SWIGLU:
+            gate, up = np.split(y, 2, axis=-1)
+            y = gate / (1 + np.exp(-gate)) * up
+        rows.append(y)
+        start += size
+    return np.concatenate(rows)
+
+
+def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, experts=None, used=None, seed=0,
+          padding=3):
+    rng = np.random.default_rng(seed)
+    group_sizes = np.asarray(group_sizes)
+    experts = experts or len(group_sizes)
+    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+    packed, scales, global_scale = random_weights(rng, experts, n_w, k, scale_groups, used)
+    total = int(group_sizes.sum())
+    x = rng.standard_normal((total + padding, k)).astype(np.float32)
+    got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant)
+    want = reference(op, a_mk, packed, scales, global_scale, group_sizes)
+    assert np.isnan(got[total:]).all(), "padding rows were written"
+    assert np.isfinite(got[:total]).all(), f"{np.count_nonzero(~np.isfinite(got[:total]))} outputs not written"
+    err = np.linalg.norm(got[:total] - want) / np.linalg.norm(want)
+    assert err < TOLERANCE, f"relative error {err:.3g} (tile {spec.tile})"
+    return err
+
+
+def test_environment():
+    assert interpreted.check_environment() is None
+
+
+PATTERNS = {
+    "empty experts": [5, 0, 17, 0, 3, 9],
+    "one hot expert": [0, 0, 40, 0, 0, 1],
+    "last expert empty": [7, 12, 1, 30, 2, 0],
+    "first expert empty, odd totals": [0, 33, 15, 1, 1, 19],
+}
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("pattern", PATTERNS, ids=str)
+def test_group_size_patterns(cc, op, pattern):
+    check(op, PATTERNS[pattern], cc=cc, k=512, n_out=128, seed=hash(pattern) % 1000)
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("variant", [Variant.DECODE, Variant.PREFILL], ids=lambda v: v.value)
+def test_every_tile_of_the_table(cc, op, variant):
+    check(op, [70, 0, 130, 9], cc=cc, k=1024, n_out=256, variant=variant)
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+def test_gate_and_up_with_their_own_global_scales(cc):
+    check(Op.GATE_UP_SWIGLU, [11, 0, 25, 4], cc=cc, k=512, n_out=128, scale_groups=2)
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+def test_kimi_k2_gate_up_at_a_few_experts(cc):
+    """Kimi K2's gate/up projection (K = 7168, 2 x 2048 rows), decode tile, three experts."""
+    check(Op.GATE_UP_SWIGLU, [3, 0, 2], cc=cc, k=7168, n_out=2048, padding=1)
+
+
+def test_kimi_k2_down_at_its_highest_experts():
+    """Kimi K2's down projection at all 384 experts (2.8 GB of codes: expert 293 starts past
+    2**31 bytes), rows only for experts 0, 292, 293 and 383: 32-bit expert offsets would land
+    outside the buffer (a bounds violation) or on another expert's weights (wrong values)."""
+    sizes = np.zeros(384, np.int64)
+    sizes[[0, 292, 293, 383]] = [2, 1, 3, 2]
+    check(Op.MATMUL, sizes, cc=120, k=2048, n_out=7168, experts=384, used=(0, 292, 293, 383), padding=1)

@@ -244,19 +244,29 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     """One device's share: route, exchange + experts, combine, shared expert, statistics.
 
     ``x_th`` ``[T, H]``; ``valid_t`` bool ``[T]`` marks real tokens: padding tokens route
-    nowhere (expert id E). The statistics cover the valid tokens whose row of ``x_th`` and
-    router logits are all finite; the valid tokens with a non-finite value are counted in
-    ``nonfinite_tokens`` instead. Such a token is still routed and its own output may be
-    non-finite; no other token's output changes.
+    nowhere (expert id E). A token with a non-finite value in its row of ``x_th`` or in its
+    router logits (finite activations can still overflow them) is counted in
+    ``nonfinite_tokens``, routes nowhere, is read as zeros by every computation and gets a NaN
+    output: it changes no other token's output, no statistic and no gradient (a NaN row would
+    make ``x^T dy`` NaN even under a zero cotangent, so masking its output in the loss is not
+    enough). The statistics cover the valid finite tokens.
     """
     config = plan.config
     dtype = jnp.dtype(config.dtype)
+    finite_t = jnp.all(jnp.isfinite(x_th), axis=1)
+    x_th = jnp.where(finite_t[:, None], x_th, 0)
     # Full float32, as the published models' gates run: a GPU's default TF32 would round the
     # router weights to 10 mantissa bits and flip the choice between near-tied experts.
     logits_te = jnp.matmul(x_th.astype(jnp.float32), params["router"]["w_eh"].astype(jnp.float32).T,
                            precision=jax.lax.Precision.HIGHEST)
+    finite_t = finite_t & jnp.all(jnp.isfinite(logits_te), axis=1)
+    # Zeros in place of what is left out, before any function of it: a select after the scores
+    # would pass a zero cotangent through a NaN derivative, and 0 * NaN is NaN.
+    x_th = jnp.where(finite_t[:, None], x_th, 0)
+    logits_te = jnp.where(finite_t[:, None], logits_te, 0.0)
+    counted_t = valid_t & finite_t
     ids_tk, weights_tk = router.route(logits_te, config, correction_bias_e=params["router"].get("bias_e"))
-    ids_tk = jnp.where(valid_t[:, None], ids_tk, config.num_experts)
+    ids_tk = jnp.where(counted_t[:, None], ids_tk, config.num_experts)
 
     expert_impl = EXPERT_GEMM[plan.expert_gemm]
 
@@ -272,14 +282,8 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
         )
     if "shared" in params:
         y_th = y_th + _dense_mlp(x_th.astype(dtype), params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], dtype)
+    y_th = jnp.where(finite_t[:, None], y_th, jnp.nan)
 
-    # One NaN token would make every sum, and so a training loss with the auxiliary loss in
-    # it, NaN. Logits are checked besides x: finite activations can still overflow them.
-    finite_t = jnp.all(jnp.isfinite(x_th), axis=1) & jnp.all(jnp.isfinite(logits_te), axis=1)
-    counted_t = valid_t & finite_t
-    # Zeros in place of the logits left out, before any function of them: a select after the
-    # scores would pass a zero cotangent through a NaN derivative, and 0 * NaN is NaN, so one
-    # bad token would still make the losses' gradients NaN.
     stat_logits_te = jnp.where(counted_t[:, None], logits_te, 0.0)
     sums = (router.load_statistics(router.expert_scores(stat_logits_te, config), ids_tk, counted_t,
                                    config.num_experts),
@@ -329,8 +333,9 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
       ``router_z_loss`` float32 (ST-MoE's ``mean_t logsumexp(logits_t)^2``, 0.0 for no
       tokens), ``dropped`` int32 (assignments dropped by a capacity; always 0 when dropless)
       and ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their
-      router logits: ``tokens_per_expert`` and both losses leave them out, so one bad token
-      cannot make a loss NaN; their own outputs may be non-finite). Both losses are
+      router logits: they route nowhere and every computation reads them as zeros, so one bad
+      token changes no other token's output, no statistic and no gradient; their own outputs
+      are NaN). Both losses are
       differentiable with respect to the router weights (``tokens_per_expert`` is constant
       in them). On a mesh the statistics cover every device's tokens: additive sums, psum'd.
 

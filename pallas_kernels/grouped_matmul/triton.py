@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import pallas_offsets
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
 #: log2 of the factor the dequantized bf16 operand is short of ``value * scale``.
@@ -497,6 +498,8 @@ def _call(kernel, operands, out_shape, out_dtype, *, out, num_programs: int, con
         operands = (*operands, jnp.zeros((1,), jnp.int32))
         out_shapes.append(((1,), jnp.int32))
     operands, varying = _same_varying_axes(operands)
+    if not interpret:
+        pallas_offsets.prepare(name, [op.shape for op in operands] + [shape for shape, _ in out_shapes])
     manual = jax.sharding.ManualAxisType(varying=varying)
     call = pl.pallas_call(
         kernel,

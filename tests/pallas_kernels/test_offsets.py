@@ -14,14 +14,18 @@ interpret mode clamps indices, so only the lowered IR shows it on a CPU.
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 import re
+import subprocess
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import crosscompile
+from pallas_kernels import crosscompile, pallas_offsets
 from pallas_kernels.grouped_matmul import Op, grouped_matmul_weight_grad, run
 
 SHAPES = {  # experts, hidden, expert intermediate
@@ -136,11 +140,10 @@ def test_no_32_bit_offset_can_overflow_in_the_backward_kernels(shape, projection
 
 
 def test_the_check_sees_32_bit_offsets(monkeypatch):
-    """The check itself: without the 64-bit fix, Kimi K2's NVFP4 down projection is flagged."""
-    from jax._src.pallas.triton import lowering
-
-    monkeypatch.setattr(lowering, "_compute_offsets_from_indices",
-                        lowering._compute_offsets_from_indices.__wrapped__)
+    """The check itself: a kernel the fix does not know (here: ours, unrecorded) keeps JAX's
+    32-bit offsets, and Kimi K2's NVFP4 down projection is flagged."""
+    monkeypatch.setattr(pallas_offsets, "prepare", lambda name, shapes: None)
+    monkeypatch.setattr(pallas_offsets, "_OWN_KERNELS", set())
     jax.clear_caches()  # Lowerings are cached: neither take one from, nor leave one for, other tests.
     try:
         module = _module(Op.MATMUL, "nvfp4", *SHAPES["kimi_k2"])
@@ -149,3 +152,57 @@ def test_the_check_sees_32_bit_offsets(monkeypatch):
     offsets = pointer_offsets(module.ttir)
     packed = next(i for i, s in enumerate(module.arg_shapes) if s == (384, 7168, 1024))
     assert offsets[packed] == {"i32"}
+
+
+def _foreign_copy_kernel():
+    """Another library's Pallas kernel over a one-byte operand of more than 2**31 elements."""
+    from jax.experimental import pallas as pl  # noqa: PLC0415
+
+    n, block = 2**31 + 2**20, 2**16
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def fn(x):
+        return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((n,), jnp.uint8), grid=(n // block,),
+                              in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+                              out_specs=pl.BlockSpec((block,), lambda i: (i,)), name="someone_elses_copy")(x)
+
+    [module] = crosscompile.triton_modules(fn, jax.ShapeDtypeStruct((n,), jnp.uint8), capability=90)
+    return module.ttir
+
+
+def test_another_librarys_kernel_lowers_exactly_as_jax_lowers_it(monkeypatch):
+    """With the fix installed (after this library's kernels ran), a foreign kernel's Triton IR is
+    the one JAX's own lowering gives, 32-bit offsets included."""
+    _module(Op.MATMUL, "nvfp4", *SHAPES["kimi_k2"])  # this library's kernels: the fix is installed
+    from jax._src.pallas.triton import lowering  # noqa: PLC0415
+
+    assert hasattr(lowering._compute_offsets_from_indices, "__wrapped__")
+    jax.clear_caches()
+    with_fix = _foreign_copy_kernel()
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", lowering._compute_offsets_from_indices.__wrapped__)
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lowering.lower_jaxpr_to_triton_module.__wrapped__)
+    jax.clear_caches()
+    try:
+        jax_own = _foreign_copy_kernel()
+    finally:
+        jax.clear_caches()
+    assert with_fix == jax_own
+    assert set().union(*pointer_offsets(with_fix).values()) == {"i32"}
+
+
+def test_importing_the_kernels_changes_nothing_in_jax():
+    code = ("from jax._src.pallas.triton import lowering as l; before = (l._compute_offsets_from_indices, "
+            "l.lower_jaxpr_to_triton_module); import pallas_kernels.grouped_matmul, moe_jax; "
+            "assert (l._compute_offsets_from_indices, l.lower_jaxpr_to_triton_module) == before")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[2],
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_an_unverified_jax_refuses_operands_that_need_the_fix(monkeypatch):
+    monkeypatch.setattr(jax, "__version__", "0.11.9")
+    pallas_offsets.prepare("small", [(1024, 7168), (48, 4096, 3584)])  # nothing to fix: runs
+    with pytest.raises(RuntimeError, match=r"kernel 'big' has an operand of more than 2\*\*31 elements.*verified "
+                                           r"for jax 0\.11\.2, found 0\.11\.9"):
+        pallas_offsets.prepare("big", [(1024, 2048), (384, 7168, 1024)])

@@ -297,10 +297,10 @@ NATIVE_VS_PALLAS = {
                    "Pallas kernels at 32 to 8192 tokens (benchmarks/results/layer_h200/layer.md)"),
     # Never measured: the older path until a run there says otherwise.
     80: ("pallas", "SM80 and SM89 were never measured; the Pallas kernels are the longer-tested path"),
-    100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
-                    "check with `moe-jax selftest`)"),
-    120: ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled, not run here: "
-                    "check with `moe-jax selftest`)"),
+    100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and executed in "
+                    "Triton's interpreter, not run on SM100 hardware here: check with `moe-jax selftest`)"),
+    120: ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and executed in "
+                    "Triton's interpreter, not run on SM120 hardware here: check with `moe-jax selftest`)"),
 }
 
 

@@ -130,7 +130,8 @@ def _decide(registry: Registry, requested: str, target: Target, config: MoEConfi
                 f"MoEConfig.{registry.stage} = {requested!r} cannot run on {target.describe()}: "
                 f"{reasons[requested]}"
             )
-        rejected = tuple((n, "not requested") for n in registry.names() if n != requested)
+        rejected = tuple((n, "not requested" if reasons[n] is None else f"not requested; cannot run here: {reasons[n]}")
+                         for n in registry.names() if n != requested)
         return Decision(registry.stage, requested, requested, "explicit choice", rejected)
     order, why_order = registry.auto_order(target, config)
     capable = [name for name in order if reasons[name] is None]
@@ -141,12 +142,16 @@ def _decide(registry: Registry, requested: str, target: Target, config: MoEConfi
             f"({why_order}; {detail})"
         )
     chosen = capable[0]
+    why = f"auto: {why_order}"
+    if chosen != order[0]:  # say why the preferred one is not what runs
+        skipped = "; ".join(f"{n!r} cannot run ({reasons[n]})" for n in order[:order.index(chosen)])
+        why = f"auto: {skipped}; next in the order ({why_order})"
     rejected = tuple(
         (name, reasons[name] or f"can run, but {chosen!r} comes first ({why_order})")
         for name in registry.names()
         if name != chosen
     )
-    return Decision(registry.stage, AUTO, chosen, f"auto: {why_order}", rejected)
+    return Decision(registry.stage, AUTO, chosen, why, rejected)
 
 
 def resolve(

@@ -41,8 +41,8 @@ def test_triton_cannot_run_on_cpu_and_says_why(cpu_devices):
 
 
 @pytest.mark.parametrize("device_kind,chosen,why", [
-    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "triton", "cross-compiled, not run here"),
-    ("NVIDIA B200", "triton", "cross-compiled, not run here"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "triton", "executed in Triton's interpreter, not run on SM"),
+    ("NVIDIA B200", "triton", "executed in Triton's interpreter, not run on SM"),
     ("NVIDIA H200", "triton", "benchmarks/results/layer_h200/layer.md"),
     ("NVIDIA A100-SXM4-80GB", "pallas", "SM80 and SM89 were never measured"),
     ("NVIDIA L40S", "pallas", "SM89 was never measured; as on SM80"),

@@ -87,12 +87,13 @@ def test_resolves_for_an_rtx_pro_6000_without_one():
     assert plan.target.platform == "cuda" and plan.target.compute_capability == 120
     assert plan.target.expert_parallel == 4
     # NVFP4 inference on SM120 takes the native FP4 kernels where jax-triton is installed (CI
-    # installs it: pyproject's test extra), and says they were cross-compiled, never run here.
+    # installs it: pyproject's test extra), and says they were cross-compiled and interpreted,
+    # never run on that hardware here.
     native = importlib.util.find_spec("jax_triton") is not None
     assert plan.expert_gemm == ("triton" if native else "pallas") and plan.exchange != "none"
     assert "SM120" in plan.report
     if native:
-        assert "cross-compiled, not run here" in plan.report
+        assert "cross-compiled and executed in Triton's interpreter, not run on SM120 hardware" in plan.report
 
 
 @pytest.mark.parametrize(
@@ -120,3 +121,20 @@ def test_plan_is_hashable_and_static():
     plan = resolve(MoEConfig(**SMALL))
     assert hash(plan) == hash(resolve(MoEConfig(**SMALL)))
     assert str(plan) == plan.report
+
+
+def test_an_explicit_choice_keeps_the_reasons_of_the_others(cpu_devices):
+    plan = resolve(MoEConfig(**SMALL, expert_gemm="xla"), cpu_devices[:1])
+    assert plan.expert_gemm == "xla"
+    assert "not pallas: not requested; cannot run here: needs an NVIDIA GPU, found cpu" in plan.report
+
+
+def test_the_chosen_line_says_why_the_preferred_implementation_is_not_what_runs(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax_triton" else find_spec(name, *a))
+    config = MoEConfig(**{**SMALL, "hidden_size": 64, "expert_intermediate_size": 64}, weight_format="nvfp4")
+    plan = resolve(config, abstract_mesh(RTX_PRO_6000))
+    assert plan.expert_gemm == "pallas"
+    line = next(line for line in plan.report.splitlines() if line.strip().startswith("expert_gemm: pallas"))
+    assert "auto: 'triton' cannot run (jax-triton is not installed" in line, line
+    assert "next in the order (NVFP4 inference: SM120" in line, line

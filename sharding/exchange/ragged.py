@@ -22,14 +22,22 @@ from sharding.local import combine, dispatch
 RAGGED_MIN_UPDATES_PER_PEER = 512
 
 
-def default_min_updates_per_peer() -> int:
+def default_min_updates_per_peer(platform: str | None = None) -> int:
     """:data:`RAGGED_MIN_UPDATES_PER_PEER` where XLA runs ``ragged_all_to_all`` as one copy
     kernel (GPUs in one process), else 1.
 
     Across processes XLA issues one NCCL send/receive per update, and TPUs have their own
     implementation: slicing would only add messages there (neither measured).
+
+    Args:
+      platform: the mesh's platform (``"cuda"``, ``"cpu"``, ...); None: that of the mesh being
+        traced (``jax.sharding.get_abstract_mesh()``, so a cross-compiled GPU mesh counts as
+        one), else the default backend's.
     """
-    one_kernel = jax.default_backend() == "gpu" and jax.process_count() == 1
+    if platform is None:
+        device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+        platform = device.platform if device is not None else jax.default_backend()
+    one_kernel = platform in ("cuda", "rocm", "gpu") and jax.process_count() == 1
     return RAGGED_MIN_UPDATES_PER_PEER if one_kernel else 1
 
 

@@ -1,6 +1,7 @@
 """The exchange layout against a numpy model of expert-major receive buffers, and the
 layout replayed through a numpy model of ``jax.lax.ragged_all_to_all``'s documented semantics."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,3 +161,26 @@ def test_buffer_buckets_and_choice():
                                   [0, 0, 1, 1, 2, 2])
     with pytest.raises(ValueError, match="typical = 0"):
         buffer_buckets(0, 10, (1.0,))
+
+
+def test_the_ragged_slicing_default_follows_the_mesh_platform():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from sharding.exchange.ragged import RAGGED_MIN_UPDATES_PER_PEER, default_min_updates_per_peer
+
+    assert default_min_updates_per_peer("cuda") == RAGGED_MIN_UPDATES_PER_PEER
+    assert default_min_updates_per_peer("cpu") == 1
+    seen = {}
+    for platform, kind in (("cuda", "NVIDIA H200"), ("cpu", "cpu")):
+        device = AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
+        mesh = AbstractMesh((2,), ("expert",), abstract_device=device, axis_types=(AxisType.Auto,))
+
+        def f(x, platform=platform):
+            seen[platform] = default_min_updates_per_peer()
+            return x
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))).trace(
+                jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert seen == {"cuda": RAGGED_MIN_UPDATES_PER_PEER, "cpu": 1}  # this process's backend is cpu

@@ -108,3 +108,13 @@ def test_this_environment_is_inside_the_core_bounds():
     for req in CORE:
         found = importlib.metadata.version(req.name)
         assert req.specifier.contains(found, prereleases=True), f"installed {req.name} {found}, outside {req}"
+
+
+def test_the_gpu_extras_bring_the_native_kernels():
+    """``pip install 'moe-jax[cuda12]'`` (or cuda13) gives the whole GPU capability: without
+    triton and jax-triton, auto on SM100/SM120 could not pick the FP4 tensor-core kernels."""
+    for extra in ("cuda12", "cuda13"):
+        for name in ("triton", "jax-triton"):
+            (req,) = _named(name, EXTRAS[extra])
+            (native,) = _named(name, EXTRAS["triton"])
+            assert req == native, f"extra {extra}: {req} differs from the 'triton' extra's {native}"

@@ -6,7 +6,7 @@ Kimi K2) from a directory holding ``config.json`` and either ``model.safetensors
 writes the library's parameters back in the same format. Tensors of layer ``L``::
 
     model.layers.{L}.mlp.gate.weight                      router [E, H], never quantized (kept as stored)
-    model.layers.{L}.mlp.gate.e_score_correction_bias     float32 [E] (topk_method noaux_tc)
+    model.layers.{L}.mlp.gate.e_score_correction_bias     F32/BF16/F16 [E] (topk_method noaux_tc), widened to float32 exactly
     model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.  routed expert e, NVFP4:
         weight          uint8 [N, K/2]   two E2M1 codes a byte, element 2i in the low nibble
         weight_scale    float8_e4m3fn [N, K/16]
@@ -260,16 +260,19 @@ class QuantizationSettings:
 def quantization_settings(directory: str | os.PathLike, hf: dict | None = None) -> QuantizationSettings:
     """The quantization settings of a checkpoint directory.
 
-    ``config.json["quantization_config"]`` if present, else ``hf_quant_config.json``, else
-    none (every weight unquantized). ``hf``: the parsed ``config.json``, if already read.
+    ``config.json["quantization_config"]`` and/or ``hf_quant_config.json`` (when both are
+    present they must agree), else none (every weight unquantized). ``hf``: the parsed
+    ``config.json``, if already read.
 
     Raises:
       CheckpointError: a quantization method or algorithm other than ModelOpt NVFP4, a group
-        size other than 16, or malformed settings; one line naming the key and its source.
+        size other than 16, malformed settings, or the two files disagreeing on the algorithm,
+        the group size or the excluded modules; one line naming the key and its source(s).
     """
     directory = Path(directory)
     if hf is None:
         hf, _ = read_hf_config(directory)
+    found = []
     if "quantization_config" in hf:
         source = f"{directory / 'config.json'} quantization_config"
         q = hf["quantization_config"]
@@ -277,18 +280,30 @@ def quantization_settings(directory: str | os.PathLike, hf: dict | None = None) 
             raise CheckpointError(f"{source}: a {type(q).__name__}, expected an object")
         if q.get("quant_method") != "modelopt":
             raise CheckpointError(f"{source}: quant_method = {q.get('quant_method')!r} is not supported, expected 'modelopt'")
-        exclude_key = "ignore"
-        group_size = q.get("group_size", _group_size_of_config_groups(q, source))
-    elif (directory / HF_QUANT_CONFIG).is_file():
+        found.append(_settings(q, source, "ignore", q.get("group_size", _group_size_of_config_groups(q, source))))
+    if (directory / HF_QUANT_CONFIG).is_file():
         source = str(directory / HF_QUANT_CONFIG)
         try:
             q = json.loads((directory / HF_QUANT_CONFIG).read_text())["quantization"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{source}: expected JSON with a 'quantization' object ({err!r})") from None
-        exclude_key = "exclude_modules"
-        group_size = q.get("group_size")
-    else:
+        found.append(_settings(q, source, "exclude_modules", q.get("group_size")))
+    if not found:
         return QuantizationSettings(quant_algo=None, group_size=None, exclude=(), source="no quantization settings")
+    if len(found) == 2:
+        # Which of two disagreeing files is right cannot be known: a layer's format would be a guess.
+        new, old = found
+        for field, a, b in (("quant_algo", new.quant_algo, old.quant_algo), ("group_size", new.group_size, old.group_size),
+                            ("ignore / exclude_modules", sorted(new.exclude), sorted(old.exclude))):
+            if a != b:
+                raise CheckpointError(f"{new.source} and {old.source} disagree on {field}: {a!r} against {b!r}; "
+                                      "remove or correct one")
+    return found[0]
+
+
+def _settings(q: dict, source: str, exclude_key: str, group_size) -> QuantizationSettings:
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{source}: a {type(q).__name__}, expected an object")
     if q.get("quant_algo") != "NVFP4":
         raise CheckpointError(f"{source}: quant_algo = {q.get('quant_algo')!r} is not supported, expected 'NVFP4'")
     if group_size != nvfp4.BLOCK or type(group_size) is not int:
@@ -556,8 +571,9 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     used.add(router_name)
     bias_name = f"{mlp}.gate.e_score_correction_bias"
     if config.router_bias:
-        _check_tensor(ckpt, bias_name, ("F32",), (e_count,), "topk_method noaux_tc: selection bias")
-        leaves["router"]["bias_e"] = _small(ckpt.read(bias_name))
+        # Exports converted through bf16 store it as BF16; both half formats widen exactly.
+        _check_tensor(ckpt, bias_name, ("F32", "BF16", "F16"), (e_count,), "topk_method noaux_tc: selection bias")
+        leaves["router"]["bias_e"] = _small(ckpt.read(bias_name).astype(np.float32))
         used.add(bias_name)
 
     routed = [p for e in range(e_count) for p in expert(e).values()]

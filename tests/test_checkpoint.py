@@ -40,14 +40,18 @@ def ckpt_dir(synthetic, tmp_path_factory):
     return sc.write(tmp_path_factory.mktemp("kimi") / "ckpt", synthetic.tensors, synthetic.config, files=3)
 
 
-def variant(tmp_path, synthetic, *, edit=None, config_edit=None, files=3):
-    """A copy of the synthetic checkpoint with ``edit(tensors)`` / ``config_edit(config)`` applied."""
+def variant(tmp_path, synthetic, *, edit=None, config_edit=None, files=3, extra_files=None):
+    """A copy of the synthetic checkpoint with ``edit(tensors)`` / ``config_edit(config)`` applied
+    and ``extra_files`` (name -> text) written beside it."""
     tensors, config = dict(synthetic.tensors), json.loads(json.dumps(synthetic.config))
     if edit:
         edit(tensors)
     if config_edit:
         config_edit(config)
-    return sc.write(tmp_path / "variant", tensors, config, files=files)
+    directory = sc.write(tmp_path / "variant", tensors, config, files=files)
+    for name, text in (extra_files or {}).items():
+        (directory / name).write_text(text)
+    return directory
 
 
 def leaves_with_paths(tree):
@@ -247,6 +251,26 @@ def test_single_file_and_hf_quant_config_json(tmp_path, synthetic):
         assert_bitwise_equal(params, synthetic.expected[layer])
 
 
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["BF16", "F16"])
+def test_a_half_precision_correction_bias_loads_widened_exactly(tmp_path, synthetic, dtype):
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    stored = synthetic.tensors[name].astype(dtype)
+    directory = variant(tmp_path, synthetic, edit=lambda t: t.update({name: stored}))
+    _, params = load_moe_layer(directory, 1, progress=False)
+    bias = np.asarray(params["router"]["bias_e"])
+    assert bias.dtype == np.float32
+    np.testing.assert_array_equal(bias, stored.astype(np.float64))  # the stored values, exactly
+
+
+def test_both_quantization_settings_files_load_when_they_agree(tmp_path, synthetic):
+    q = synthetic.config["quantization_config"]
+    same = json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": q["ignore"][::-1]}})
+    directory = variant(tmp_path, synthetic, extra_files={"hf_quant_config.json": same})
+    for layer in (1, 2):
+        _, params = load_moe_layer(directory, layer, progress=False)
+        assert_bitwise_equal(params, synthetic.expected[layer])
+
+
 def test_progress_bar_goes_to_stderr(ckpt_dir, capfd):
     load_moe_layer(ckpt_dir, 2, progress=False)
     assert capfd.readouterr().err == ""
@@ -378,8 +402,15 @@ ERRORS = {
         dict(edit=replace("model.layers.3.mlp.experts.1.down_proj.weight_scale_2", lambda a: a.astype(np.float16))), 3,
         r"^model\.layers\.3\.mlp\.experts\.1\.down_proj\.weight_scale_2: F16 \[\], expected F32 \[\]"),
     "bias dtype": (
-        dict(edit=replace("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: a.astype(ml_dtypes.bfloat16))), 1,
-        rf"^{MLP1}\.gate\.e_score_correction_bias: BF16 \[16\], expected F32 \[16\]"),
+        dict(edit=replace("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: a.astype(np.int32))), 1,
+        rf"^{MLP1}\.gate\.e_score_correction_bias: I32 \[16\], expected F32/BF16/F16 \[16\]"),
+    "bias shape": (
+        dict(edit=replace("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: a[:8])), 1,
+        rf"^{MLP1}\.gate\.e_score_correction_bias: F32 \[8\], expected F32/BF16/F16 \[16\]"),
+    "quantization settings disagree": (
+        dict(extra_files={"hf_quant_config.json": json.dumps({"quantization": {
+            "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "model.layers.*.mlp.shared_experts*"]}})}),
+        1, r"config\.json quantization_config and \S+hf_quant_config\.json disagree on ignore / exclude_modules: "),
     "missing router": (
         dict(edit=drop("model.layers.3.mlp.gate.weight")), 3,
         r"^model\.layers\.3\.mlp\.gate\.weight: missing from the checkpoint in "),

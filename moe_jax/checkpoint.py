@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from moe_jax import nvfp4
-from moe_jax.config import MoEConfig, WeightFormat, hf_int, read_hf_config
+from moe_jax.config import HF_KEYS, MoEConfig, WeightFormat, hf_int, read_hf_config
 from moe_jax.layer import Params, check_params, param_logical_axes
 from sharding.mesh import expert_parallel_rules, tree_specs
 
@@ -343,15 +343,6 @@ def moe_layer_indices(config_json: dict | str | os.PathLike) -> range:
     return range(first_moe, num_layers)
 
 
-# Fields of MoEConfig that config.json determines, and the key each comes from.
-_HF_FIELDS = {
-    "hidden_size": "hidden_size", "expert_intermediate_size": "moe_intermediate_size",
-    "num_experts": "n_routed_experts", "top_k": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
-    "num_groups": "n_group", "topk_groups": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
-    "scoring": "scoring_func", "router_bias": "topk_method", "normalize": "norm_topk_prob",
-}
-
-
 def _layer_config(directory: Path, layer: int, config: MoEConfig | None) -> tuple[MoEConfig, dict]:
     hf, where = read_hf_config(directory)
     from_hf = MoEConfig.from_hf_config(hf)
@@ -367,7 +358,7 @@ def _layer_config(directory: Path, layer: int, config: MoEConfig | None) -> tupl
         return from_hf, hf
     if not isinstance(config, MoEConfig):
         raise CheckpointError(f"config: {type(config).__name__}, expected a MoEConfig or None")
-    for field, key in _HF_FIELDS.items():
+    for field, key in HF_KEYS.items():
         if getattr(config, field) != getattr(from_hf, field):
             raise CheckpointError(
                 f"config.{field} = {getattr(config, field)!r}, but {where} ({key}) gives {getattr(from_hf, field)!r}"
@@ -747,15 +738,11 @@ def hf_config_dict(config: MoEConfig, *, num_hidden_layers: int, first_k_dense_r
             f"config.shared_intermediate_size = {config.shared_intermediate_size}: config.json can only say "
             "n_shared_experts * moe_intermediate_size"
         )
+    keys = {key: getattr(config, field) for field, key in HF_KEYS.items()}
+    keys[HF_KEYS["router_bias"]] = "noaux_tc" if config.router_bias else "greedy"
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "hidden_size": config.hidden_size, "moe_intermediate_size": config.expert_intermediate_size,
-        "n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
-        "n_shared_experts": config.num_shared_experts, "n_group": config.num_groups,
-        "topk_group": config.topk_groups, "routed_scaling_factor": config.routed_scaling_factor,
-        "scoring_func": config.scoring, "topk_method": "noaux_tc" if config.router_bias else "greedy",
-        "norm_topk_prob": config.normalize, "num_hidden_layers": num_hidden_layers,
-        "first_k_dense_replace": first_k_dense_replace, "moe_layer_freq": 1,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", **keys,
+        "num_hidden_layers": num_hidden_layers, "first_k_dense_replace": first_k_dense_replace, "moe_layer_freq": 1,
     }
 
 

@@ -27,6 +27,20 @@ def _fail(field: str, value, rule: str):
     raise ValueError(f"MoEConfig.{field} = {value!r}: {rule}")
 
 
+#: The MoEConfig fields a DeepSeek-V3 / Kimi K2 ``config.json`` determines, and the key each comes
+#: from (``router_bias`` from ``topk_method``: ``noaux_tc`` or ``greedy``). The one table that
+#: :meth:`MoEConfig.from_hf_config`, the checkpoint loader's consistency check and
+#: :func:`moe_jax.checkpoint.hf_config_dict` read.
+HF_KEYS = {
+    "hidden_size": "hidden_size", "expert_intermediate_size": "moe_intermediate_size",
+    "num_experts": "n_routed_experts", "top_k": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
+    "num_groups": "n_group", "topk_groups": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
+    "scoring": "scoring_func", "router_bias": "topk_method", "normalize": "norm_topk_prob",
+}
+_HF_INT_FIELDS = ("hidden_size", "expert_intermediate_size", "num_experts", "top_k", "num_shared_experts",
+                  "num_groups", "topk_groups")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """A Mixture-of-Experts layer: shape, router, weight format and implementation choices.
@@ -245,18 +259,15 @@ class MoEConfig:
             (e.g. ``topk_method = 'group_limited_greedy'``), or the field a value breaks.
         """
         hf, where = read_hf_config(config_json)
-        ints = {"hidden_size": "hidden_size", "moe_intermediate_size": "expert_intermediate_size",
-                "n_routed_experts": "num_experts", "num_experts_per_tok": "top_k",
-                "n_shared_experts": "num_shared_experts", "n_group": "num_groups", "topk_group": "topk_groups"}
-        fields = {field: hf_int(hf, key, where) for key, field in ints.items()}
-        fields["routed_scaling_factor"] = float(_hf_value(hf, "routed_scaling_factor", (int, float), where))
-        fields["normalize"] = _hf_value(hf, "norm_topk_prob", bool, where)
-        scoring = _hf_value(hf, "scoring_func", str, where)
+        fields = {field: hf_int(hf, HF_KEYS[field], where) for field in _HF_INT_FIELDS}
+        fields["routed_scaling_factor"] = float(_hf_value(hf, HF_KEYS["routed_scaling_factor"], (int, float), where))
+        fields["normalize"] = _hf_value(hf, HF_KEYS["normalize"], bool, where)
+        scoring = _hf_value(hf, HF_KEYS["scoring"], str, where)
         if scoring not in get_args(Scoring):
             raise ValueError(f"{where}: scoring_func = {scoring!r} is not supported, expected one of "
                              f"{', '.join(map(repr, get_args(Scoring)))}")
         fields["scoring"] = scoring
-        method = _hf_value(hf, "topk_method", str, where)
+        method = _hf_value(hf, HF_KEYS["router_bias"], str, where)
         match method:
             case "noaux_tc":
                 fields["router_bias"] = True

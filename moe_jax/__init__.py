@@ -29,7 +29,7 @@ _LAZY = {
         "moe_jax.layer",
     ),
 }
-_SUBMODULES = ("checkpoint", "exchange", "experts", "layer", "module")
+_SUBMODULES = ("checkpoint", "exchange", "experts", "layer", "module", "serving")
 
 
 def __getattr__(name: str):

@@ -283,6 +283,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     if "shared" in params:
         y_th = y_th + _dense_mlp(x_th.astype(dtype), params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], dtype)
     y_th = jnp.where(finite_t[:, None], y_th, jnp.nan)
+    y_th = jnp.where(valid_t[:, None], y_th, 0)  # padding: routed nowhere, the shared expert's part too
 
     stat_logits_te = jnp.where(counted_t[:, None], logits_te, 0.0)
     sums = (router.load_statistics(router.expert_scores(stat_logits_te, config), ids_tk, counted_t,
@@ -316,7 +317,8 @@ def check_input(x, config: MoEConfig) -> None:
         raise ValueError(f"x: dtype {x.dtype}, expected a floating dtype (bfloat16 or float32)")
 
 
-def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[jax.Array, dict]:
+def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig, *,
+                num_valid_tokens=None) -> tuple[jax.Array, dict]:
     """The MoE layer: ``y = sum_k w_k * expert_k(x) + shared(x)``.
 
     Args:
@@ -325,6 +327,10 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
         one token, and ``T = 0`` gives an empty ``y``.
       plan: from :func:`moe_jax.resolve` (resolve once, before ``jit``; pass it as a static
         argument). A bare ``MoEConfig`` is resolved here for ``jax.devices()[0]``.
+      num_valid_tokens: None (every token is real), or an int or int32 scalar (it may be
+        traced): the flattened tokens at or past it are padding, as :mod:`moe_jax.serving`'s
+        buckets make them. Padding routes nowhere, is left out of every statistic and gets
+        zeros; the real tokens' outputs are those of the unpadded batch.
 
     Returns:
       ``(y, stats)``: ``y`` has ``x``'s shape in ``config.dtype``; ``stats`` holds
@@ -347,17 +353,30 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig) -> tuple[j
     config = plan.config
     check_input(x, config)
     check_params(params, config)
+    real = x.size // config.hidden_size if num_valid_tokens is None else _check_num_valid(num_valid_tokens)
     mesh = plan.mesh
     if isinstance(mesh, Mesh) and mesh.size > 1:
-        return _sharded_forward(params, x, plan, mesh)
+        return _sharded_forward(params, x, plan, mesh, real)
     x_th = x.reshape(-1, config.hidden_size)
     num_tokens = x_th.shape[0]
     # An empty batch runs as one padding token (routed nowhere, never counted), so that no
     # kernel is compiled for zero rows.
     padded = max(num_tokens, 1)
     x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
-    y_th, stats = _local_forward(params, x_th, jnp.arange(padded) < num_tokens, plan, ())
+    y_th, stats = _local_forward(params, x_th, jnp.arange(padded) < jnp.minimum(num_tokens, real), plan, ())
     return y_th[:num_tokens].reshape(x.shape), stats
+
+
+def _check_num_valid(num_valid_tokens):
+    if isinstance(num_valid_tokens, bool) or not (
+            isinstance(num_valid_tokens, int) or (hasattr(num_valid_tokens, "dtype") and jnp.ndim(num_valid_tokens) == 0
+                                                  and jnp.issubdtype(num_valid_tokens.dtype, jnp.integer))):
+        found = (f"{num_valid_tokens.dtype}{list(jnp.shape(num_valid_tokens))}" if hasattr(num_valid_tokens, "dtype")
+                 else repr(num_valid_tokens))
+        raise ValueError(f"num_valid_tokens: {found}, expected None, an int or an integer scalar")
+    if isinstance(num_valid_tokens, int) and num_valid_tokens < 0:
+        raise ValueError(f"num_valid_tokens: {num_valid_tokens}, expected >= 0")
+    return num_valid_tokens
 
 
 def param_logical_axes(params: Params) -> dict:
@@ -458,7 +477,7 @@ def _check_vma(plan: Plan) -> bool:
     return not (plan.expert_gemm == "pallas" and plan.config.interpret)
 
 
-def _sharded_forward(params: Params, x, plan: Plan, mesh: Mesh):
+def _sharded_forward(params: Params, x, plan: Plan, mesh: Mesh, num_valid):
     """The layer under ``shard_map``: tokens split over every mesh axis (padded to a multiple
     of the device count, at least one per device; padding tokens route nowhere), expert
     weights over the expert axis (:func:`param_logical_axes`), everything else replicated;
@@ -480,7 +499,7 @@ def _sharded_forward(params: Params, x, plan: Plan, mesh: Mesh):
     num_tokens = x_th.shape[0]
     # An empty batch runs as one padding token per device, so that no exchange buffer is empty.
     padded = max(1, -(-num_tokens // mesh.size)) * mesh.size
-    valid_t = jnp.arange(padded) < num_tokens
+    valid_t = jnp.arange(padded) < jnp.minimum(num_tokens, num_valid)
     x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
     token_spec = logical_to_spec((TOKENS,), (padded,), rules, mesh, name="x")
     param_specs = tree_specs(params, param_logical_axes(params), rules, mesh)

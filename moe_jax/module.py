@@ -103,8 +103,10 @@ class MoE(nnx.Module):
             }
         return params
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        return moe_forward(self.params(), x, self.plan)
+    def __call__(self, x: jax.Array, *, num_valid_tokens=None) -> tuple[jax.Array, dict]:
+        """:func:`moe_forward` with this layer's parameters (``num_valid_tokens``: the real
+        tokens of a bucket-padded batch, :mod:`moe_jax.serving`)."""
+        return moe_forward(self.params(), x, self.plan, num_valid_tokens=num_valid_tokens)
 
     def update_load_balance(self, stats: Mapping[str, jax.Array], rate) -> None:
         """One auxiliary-loss-free balancing step: ``bias_e += rate * sign(mean load - load_e)``.

@@ -7,7 +7,8 @@ cotangent; the layer reads such a token as zeros everywhere. Checked against the
 with the token removed: every parameter gradient finite and equal (to float rounding of sums
 over a different number of tokens), the other tokens' input gradients and outputs equal, the
 bad token's output NaN and its input gradient zero. On ``xla`` (bf16, frozen NVFP4, QAT) on one
-device and on expert-parallel meshes, and on ``pallas`` in the interpreter and on a GPU.
+device and on expert-parallel meshes, and on ``pallas`` in the interpreter (on a GPU:
+``test_nonfinite_gradients_gpu.py``).
 """
 
 import dataclasses
@@ -96,9 +97,3 @@ def test_xla_on_expert_parallel_meshes(rng, cpu_devices, ep, dp):
 @pytest.mark.parametrize("fmt", ["bf16", "qat"])
 def test_pallas_in_the_interpreter(rng, cpu_devices, fmt):
     check(fmt, rng, cpu_devices, expert_gemm="pallas", interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "qat"])
-def test_pallas_on_gpu(rng, fmt):
-    check(fmt, rng, jax.devices("gpu"), expert_gemm="pallas")

@@ -1,0 +1,103 @@
+"""Serving load: bucketed token counts (``moe_jax.serving``) under ``nnx.jit``.
+
+The soak calls the NNX module :data:`CALLS` times with token counts drawn from 1 to 8192,
+bf16 and NVFP4, padded to :func:`~moe_jax.serving.token_buckets`: the layer compiles at most
+once per bucket, the live device memory does not grow after the first round of buckets, and
+sampled outputs equal a float64 reference of the same weights (statistics: those of the
+unpadded batch, exactly).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax import MoE, MoEConfig, moe_forward, reference_forward, resolve, serving
+
+CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=32, num_shared_experts=1,
+                   scoring="sigmoid", router_bias=True, expert_gemm="xla")
+CALLS, MAX_TOKENS = 1000, 8192
+
+
+def test_buckets_and_padding():
+    assert serving.token_buckets(8192) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert serving.token_buckets(100, smallest=10, growth=1.5) == (10, 15, 23, 35, 53, 80, 120)
+    assert serving.bucket_for(0, (16, 32)) == 16 and serving.bucket_for(17, (16, 32)) == 32
+    x, n = serving.pad_to_bucket(jnp.ones((20, 4)), (16, 32))
+    assert x.shape == (32, 4) and n == 20 and not np.asarray(x[20:]).any()
+    for call, message in ((lambda: serving.token_buckets(0), r"^max_tokens: 0, expected an int >= 1$"),
+                          (lambda: serving.token_buckets(8, growth=1), r"^growth: 1, expected a finite number > 1$"),
+                          (lambda: serving.bucket_for(33, (16, 32)), r"^num_tokens: 33, expected at most the largest"),
+                          (lambda: serving.pad_to_bucket(jnp.ones(4), (16,)), r"^x_th: shape \(4,\), expected \[T, H\]$")):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_num_valid_tokens_gives_the_unpadded_batch(rng, cpu_devices):
+    plan = resolve(CONFIG, cpu_devices[:1])
+    layer = MoE(CONFIG, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((21, CONFIG.hidden_size)), jnp.bfloat16)
+    y, stats = jax.jit(moe_forward, static_argnums=2)(layer.params(), x, plan)
+    x_b, n = serving.pad_to_bucket(x.at[3].set(jnp.nan), serving.token_buckets(64))
+    x_b = x_b.at[n:].set(jnp.asarray(rng.standard_normal((x_b.shape[0] - n, CONFIG.hidden_size)), jnp.bfloat16))
+    y_b, stats_b = jax.jit(lambda p, x, n: moe_forward(p, x, plan, num_valid_tokens=n))(layer.params(), x_b, n)
+    keep = np.arange(21) != 3
+    np.testing.assert_array_equal(np.asarray(y_b)[:21][keep], np.asarray(y)[keep])
+    assert not np.asarray(y_b[21:]).any()  # padding rows (here: random, not zero) get zeros
+    _, stats_ref = jax.jit(moe_forward, static_argnums=2)(layer.params(), jnp.delete(x, 3, axis=0), plan)
+    np.testing.assert_array_equal(stats_b["tokens_per_expert"], stats_ref["tokens_per_expert"])
+    assert int(stats_b["nonfinite_tokens"]) == 1
+    with pytest.raises(ValueError, match=r"^num_valid_tokens: -1, expected >= 0$"):
+        moe_forward(layer.params(), x, plan, num_valid_tokens=-1)
+    with pytest.raises(ValueError, match=r"^num_valid_tokens: float32\[\], expected None, an int or an integer"):
+        moe_forward(layer.params(), x, plan, num_valid_tokens=jnp.float32(3))
+
+
+def _live_bytes_without(*outputs) -> int:
+    """Bytes of the live device arrays, less this call's own inputs and outputs (their size is
+    the bucket's): what the layer keeps from call to call."""
+    jax.block_until_ready(outputs)
+    exclude = {id(a) for a in jax.tree.leaves(outputs)}
+    gc.collect()
+    return sum(a.nbytes for a in jax.live_arrays() if id(a) not in exclude)
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
+    config = MoEConfig(**{**CONFIG.__dict__, "weight_format": weight_format})
+    layer = MoE(config, rngs=nnx.Rngs(1), mesh=cpu_devices[:1])
+    buckets = serving.token_buckets(MAX_TOKENS)
+    traces = []
+
+    @nnx.jit
+    def step(layer, x, n):
+        traces.append(x.shape)  # runs once per compilation
+        return layer(x, num_valid_tokens=n)
+
+    counts = np.exp(rng.uniform(0, np.log(MAX_TOKENS), CALLS)).astype(int).clip(1, MAX_TOKENS)
+    pool = jnp.asarray(rng.standard_normal((MAX_TOKENS, config.hidden_size)), jnp.bfloat16)
+    checked, warm_bytes = 0, None
+    for i, t in enumerate(counts):
+        x_b, n = serving.pad_to_bucket(pool[:t], buckets)
+        y_b, stats = step(layer, x_b, jnp.int32(n))
+        if i % 97 == 0:  # sampled outputs against float64
+            ref = reference_forward(layer.params(), np.asarray(pool[:t], np.float64), config)
+            y = np.asarray(y_b[:n], np.float64)
+            assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-2
+            assert int(np.asarray(stats["tokens_per_expert"]).sum()) == n * config.top_k
+            checked += 1
+        if i == CALLS // 2:
+            warm_bytes = _live_bytes_without(y_b, stats, x_b)
+    final_bytes = _live_bytes_without(y_b, stats, x_b)
+    record_property("calls", CALLS)
+    record_property("compilations", len(traces))
+    record_property("live bytes at half, at the end", f"{warm_bytes}, {final_bytes}")
+    print(f"{weight_format}: {CALLS} calls, {len(traces)} compilations for {len(set(map(int, counts)))} distinct "
+          f"token counts, {checked} outputs checked, live bytes {warm_bytes} at call {CALLS // 2}, {final_bytes} at the end")
+    assert len(traces) <= len(buckets)
+    assert final_bytes <= warm_bytes

@@ -62,13 +62,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+#: MoE layers of the published models (Kimi K2 and DeepSeek-V3: 61 layers, the first 1 and 3
+#: dense; Mixtral 8x7B: 32), for the memory estimate when no --hf-config is given.
+PRESET_MOE_LAYERS = {"kimi_k2": 60, "deepseek_v3": 58, "mixtral_8x7b": 32}
+
+
 def _config(args):
     overrides = {
         k: v for k, v in dict(
             weight_format=args.weight_format, expert_gemm=args.expert_gemm, exchange=args.exchange
         ).items() if v is not None
     }
+    if getattr(args, "hf_config", None):
+        return MoEConfig.from_hf_config(args.hf_config, **overrides)
     return getattr(MoEConfig, args.preset)(**overrides)
+
+
+def _moe_layers(args) -> int:
+    if getattr(args, "hf_config", None):
+        from moe_jax.checkpoint import moe_layer_indices  # noqa: PLC0415
+
+        return len(moe_layer_indices(args.hf_config))
+    return PRESET_MOE_LAYERS[args.preset]
 
 
 def _devices_or_mesh(args, config):
@@ -112,6 +127,12 @@ def explain(args) -> int:
         print(f"cannot resolve: {err}", file=sys.stderr)
         return 1
     print(plan.report)
+    from moe_jax import memory  # noqa: PLC0415
+
+    print(memory.report(config, exchange=plan.exchange, tokens_per_device=args.tokens_per_device or 4096,
+                        expert_parallel=plan.target.expert_parallel, moe_layers=_moe_layers(args),
+                        device_kind=plan.target.device_kind,
+                        device_memory=None if args.device_memory_gb is None else int(args.device_memory_gb * memory.GB)))
     return 0
 
 
@@ -224,6 +245,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-device", type=positive_int, help="a size hint for auto, >= 1")
     p.add_argument("--device-kind", help="resolve for an abstract device of this kind (no hardware needed)")
     p.add_argument("--platform", default="cuda", help="platform of --device-kind")
+    p.add_argument("--hf-config", help="a model's config.json (or its directory) instead of --preset: its MoE "
+                                       "layer's shape and its number of MoE layers, for the memory estimate")
+    p.add_argument("--device-memory-gb", type=positive_float, help="the target's memory, where its kind is not known")
     p.set_defaults(run=explain, parser=p)
 
     p = sub.add_parser("selftest", help="check every implementation that can run here against float64")

@@ -89,22 +89,14 @@ def init_params(config: MoEConfig, key: jax.Array) -> Params:
     return params
 
 
-def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -> Params:
-    """Random parameters at full size, each array made where it will live.
+def _group_formats(config: MoEConfig) -> dict:
+    return {"router": "float32", "experts": config.expert_param_format, "shared": config.shared_format}
 
-    Unlike :func:`init_params`, NVFP4 projections are drawn in their stored format
-    (:func:`moe_jax.nvfp4.random`) rather than quantized from dense weights, which at Kimi K2's
-    size would take minutes and a 45 GB float32 copy; bf16 projections are fan-in scaled
-    normals. For benchmarks and examples, not for training.
 
-    Args:
-      config: the layer (formats per group as in :func:`init_params`).
-      key: a JAX PRNG key.
-      plan: with a ``Mesh``, arrays are placed as :func:`shard_params` would place them (each
-        device makes only its own experts); else on the default device.
-    """
-    shapes = param_shapes(config)
-    formats = {"router": "float32", "experts": config.expert_param_format, "shared": config.shared_format}
+def param_template(config: MoEConfig) -> dict:
+    """``jax.ShapeDtypeStruct`` s of the parameters :func:`random_params` and :func:`init_params`
+    make (NVFP4 projections as :class:`~moe_jax.nvfp4.NVFP4Tensor` of them, one global scale per
+    matrix): what the arrays weigh, before any is allocated."""
 
     def abstract(shape, fmt):
         match fmt:
@@ -120,8 +112,28 @@ def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -
             case _:
                 assert_never(fmt)
 
-    template = {group: {name: abstract(shape, formats[group]) for name, shape in leaves.items()}
-                for group, leaves in shapes.items()}
+    formats = _group_formats(config)
+    return {group: {name: abstract(shape, formats[group]) for name, shape in leaves.items()}
+            for group, leaves in param_shapes(config).items()}
+
+
+def random_params(config: MoEConfig, key: jax.Array, plan: Plan | None = None) -> Params:
+    """Random parameters at full size, each array made where it will live.
+
+    Unlike :func:`init_params`, NVFP4 projections are drawn in their stored format
+    (:func:`moe_jax.nvfp4.random`) rather than quantized from dense weights, which at Kimi K2's
+    size would take minutes and a 45 GB float32 copy; bf16 projections are fan-in scaled
+    normals. For benchmarks and examples, not for training.
+
+    Args:
+      config: the layer (formats per group as in :func:`init_params`).
+      key: a JAX PRNG key.
+      plan: with a ``Mesh``, arrays are placed as :func:`shard_params` would place them (each
+        device makes only its own experts); else on the default device.
+    """
+    shapes = param_shapes(config)
+    formats = _group_formats(config)
+    template = param_template(config)
     if plan is not None and isinstance(plan.mesh, Mesh):
         placement = param_shardings(template, plan)
     else:

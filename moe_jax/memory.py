@@ -109,6 +109,6 @@ def report(config: MoEConfig, *, exchange: str, tokens_per_device: int, expert_p
     else:
         left = capacity - total
         lines.append(f"  total            {gb(total)} of {gb(capacity)} nominal: "
-                     + (f"{gb(left)} left" if left >= 0 else f"does NOT fit, {gb(-left)} short")
-                     + " for attention, KV cache and activations")
+                     + (f"{gb(left)} left for attention, KV cache and activations" if left >= 0
+                        else f"does NOT fit: {gb(-left)} short before attention, KV cache and activations"))
     return "\n".join(lines)

@@ -452,7 +452,12 @@ def _check_group(ckpt: Checkpoint, settings: QuantizationSettings, projections: 
 
 
 def _scalar(ckpt: Checkpoint, name: str) -> np.float32:
-    return np.float32(ckpt.read(name).reshape(()))
+    """A per-tensor scale (``weight_scale_2``, ``input_scale``): a finite float32 > 0, since every
+    value of its tensor is multiplied by it (a zero, negative or non-finite one is a broken export)."""
+    value = np.float32(ckpt.read(name).reshape(()))
+    if not (np.isfinite(value) and value > 0):
+        raise CheckpointError(f"{name}: {value}, expected a finite scale > 0")
+    return value
 
 
 def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[_Projection, _Projection]]) -> np.ndarray:

@@ -404,6 +404,15 @@ ERRORS = {
     "bias dtype": (
         dict(edit=replace("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: a.astype(np.int32))), 1,
         rf"^{MLP1}\.gate\.e_score_correction_bias: I32 \[16\], expected F32/BF16/F16 \[16\]"),
+    "NaN weight_scale_2": (
+        dict(edit=replace("model.layers.1.mlp.experts.3.down_proj.weight_scale_2", lambda a: a * np.nan)), 1,
+        rf"^{MLP1}\.experts\.3\.down_proj\.weight_scale_2: nan, expected a finite scale > 0$"),
+    "zero weight_scale_2": (
+        dict(edit=replace("model.layers.1.mlp.experts.0.gate_proj.weight_scale_2", lambda a: a * 0)), 1,
+        rf"^{MLP1}\.experts\.0\.gate_proj\.weight_scale_2: 0\.0, expected a finite scale > 0$"),
+    "negative input_scale": (
+        dict(edit=replace("model.layers.1.mlp.experts.5.up_proj.input_scale", lambda a: -a)), 1,
+        rf"^{MLP1}\.experts\.5\.up_proj\.input_scale: -\S+, expected a finite scale > 0$"),
     "bias shape": (
         dict(edit=replace("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: a[:8])), 1,
         rf"^{MLP1}\.gate\.e_score_correction_bias: F32 \[8\], expected F32/BF16/F16 \[16\]"),

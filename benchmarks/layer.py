@@ -78,9 +78,9 @@ def jax_rows(tokens_list, iters: int, out: list, save) -> None:
             entry = {"impl": label, "format": fmt, "expert_gemm": plan.expert_gemm, "tokens": tokens}
             try:
                 x = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16)
-                _, stats = jax.jit(lambda p, x: moe_forward(p, x, plan))(params, x)
+                _, stats = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan))(params, x)
                 touched = int(np.count_nonzero(np.asarray(stats["tokens_per_expert"])))
-                seconds, compile_s = timed(lambda p, x: moe_forward(p, x, plan)[0], params, x, iters=iters)
+                seconds, compile_s = timed(lambda p, x: moe_jax.moe_forward(p, x, plan)[0], params, x, iters=iters)
                 entry.update(seconds=seconds, compile_seconds=compile_s, touched_experts=touched,
                              floor_bytes=floor_bytes(config, fmt, touched, tokens))
             except Exception as err:
@@ -89,10 +89,6 @@ def jax_rows(tokens_list, iters: int, out: list, save) -> None:
             out.append(entry)
             save()
         del params
-
-
-def moe_forward(params, x, plan):
-    return moe_jax.moe_forward(params, x, plan)
 
 
 def torch_rows(tokens_list, iters: int, out: list, save) -> None:

@@ -9,6 +9,7 @@ unpadded batch, exactly).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import jax
@@ -69,7 +70,7 @@ def _live_bytes_without(*outputs) -> int:
 
 @pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
-    config = MoEConfig(**{**CONFIG.__dict__, "weight_format": weight_format})
+    config = dataclasses.replace(CONFIG, weight_format=weight_format)
     layer = MoE(config, rngs=nnx.Rngs(1), mesh=cpu_devices[:1])
     buckets = serving.token_buckets(MAX_TOKENS)
     traces = []

@@ -5,6 +5,7 @@
 import importlib.metadata
 import os
 
+import interpreted
 import pytest
 
 try:
@@ -12,18 +13,16 @@ try:
 except importlib.metadata.PackageNotFoundError:
     _TRITON = None
 
-if _TRITON == "3.9.0":
+if _TRITON == interpreted.TRITON_VERSION:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     ours = [item for item in items if str(item.fspath).startswith(here)]
-    if _TRITON != "3.9.0":
+    if _TRITON != interpreted.TRITON_VERSION:
         for item in ours:
-            item.add_marker(pytest.mark.skip(reason=f"needs triton 3.9.0 (found {_TRITON}); ./run test runs "
+            item.add_marker(pytest.mark.skip(reason=f"needs triton {interpreted.TRITON_VERSION} (found {_TRITON}); ./run test runs "
                                                     "tests/interpreter in .venv-interpret"))
         return
-    import interpreted  # noqa: PLC0415
-
     interpreted.install()

@@ -68,11 +68,11 @@ def _live_bytes_without(*outputs) -> int:
     return sum(a.nbytes for a in jax.live_arrays() if id(a) not in exclude)
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
-def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
-    config = dataclasses.replace(CONFIG, weight_format=weight_format)
-    layer = MoE(config, rngs=nnx.Rngs(1), mesh=cpu_devices[:1])
-    buckets = serving.token_buckets(MAX_TOKENS)
+def soak(config: MoEConfig, device, rng, *, calls: int = CALLS, max_tokens: int = MAX_TOKENS, tolerance: float = 2e-2):
+    """``calls`` bucketed calls of the NNX module under ``nnx.jit`` on ``device``; asserts the
+    compilations, the memory and sampled outputs (module docstring) and returns the figures."""
+    layer = MoE(config, rngs=nnx.Rngs(1), mesh=[device])
+    buckets = serving.token_buckets(max_tokens)
     traces = []
 
     @nnx.jit
@@ -80,8 +80,8 @@ def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property
         traces.append(x.shape)  # runs once per compilation
         return layer(x, num_valid_tokens=n)
 
-    counts = np.exp(rng.uniform(0, np.log(MAX_TOKENS), CALLS)).astype(int).clip(1, MAX_TOKENS)
-    pool = jnp.asarray(rng.standard_normal((MAX_TOKENS, config.hidden_size)), jnp.bfloat16)
+    counts = np.exp(rng.uniform(0, np.log(max_tokens), calls)).astype(int).clip(1, max_tokens)
+    pool = jax.device_put(jnp.asarray(rng.standard_normal((max_tokens, config.hidden_size)), jnp.bfloat16), device)
     checked, warm_bytes = 0, None
     for i, t in enumerate(counts):
         x_b, n = serving.pad_to_bucket(pool[:t], buckets)
@@ -89,16 +89,22 @@ def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property
         if i % 97 == 0:  # sampled outputs against float64
             ref = reference_forward(layer.params(), np.asarray(pool[:t], np.float64), config)
             y = np.asarray(y_b[:n], np.float64)
-            assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-2
+            assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tolerance
             assert int(np.asarray(stats["tokens_per_expert"]).sum()) == n * config.top_k
             checked += 1
-        if i == CALLS // 2:
+        if i == calls // 2:
             warm_bytes = _live_bytes_without(y_b, stats, x_b)
     final_bytes = _live_bytes_without(y_b, stats, x_b)
-    record_property("calls", CALLS)
-    record_property("compilations", len(traces))
-    record_property("live bytes at half, at the end", f"{warm_bytes}, {final_bytes}")
-    print(f"{weight_format}: {CALLS} calls, {len(traces)} compilations for {len(set(map(int, counts)))} distinct "
-          f"token counts, {checked} outputs checked, live bytes {warm_bytes} at call {CALLS // 2}, {final_bytes} at the end")
+    figures = {"calls": calls, "compilations": len(traces), "distinct token counts": len(set(map(int, counts))),
+               "outputs checked": checked, "live bytes at half": warm_bytes, "live bytes at the end": final_bytes}
+    print(f"{config.weight_format} on {device.device_kind}: {figures}")
     assert len(traces) <= len(buckets)
     assert final_bytes <= warm_bytes
+    return figures
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
+    figures = soak(dataclasses.replace(CONFIG, weight_format=weight_format), cpu_devices[0], rng)
+    for name, value in figures.items():
+        record_property(name, value)

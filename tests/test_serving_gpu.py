@@ -1,0 +1,21 @@
+"""The serving soak of ``test_serving.py`` on one GPU, with the implementations ``auto`` picks
+there (a file of its own, so that the GPU check runs it): 1,000 bucketed calls of the NNX module
+at a layer of Kimi K2's routing (sigmoid, correction bias, one shared expert), 64 experts."""
+
+import jax
+import pytest
+from test_serving import soak
+
+from moe_jax import MoEConfig
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+def test_soak_on_gpu(rng, weight_format, record_property):
+    config = MoEConfig(num_experts=64, top_k=8, hidden_size=1024, expert_intermediate_size=512, num_shared_experts=1,
+                       scoring="sigmoid", router_bias=True, weight_format=weight_format)
+    device = jax.devices("gpu")[0]
+    figures = soak(config, device, rng)
+    figures["device bytes in use at the end"] = (device.memory_stats() or {}).get("bytes_in_use")
+    for name, value in figures.items():
+        record_property(name, value)

@@ -12,7 +12,8 @@ writes the library's parameters back in the same format. Tensors of layer ``L``:
         weight_scale    float8_e4m3fn [N, K/16]
         weight_scale_2  float32 scalar   (the matrix's global scale)
         input_scale     float32 scalar   (activation scale, for W4A4)
-      or ``weight`` bf16 [N, K] where the quantization settings exclude the module;
+      or ``weight`` BF16 (or F16, see below) [N, K] where the quantization settings exclude
+      the module;
     model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.*   the shared expert, either format.
 
 Gate and up are fused into the library's ``w_gate_up_egh`` ``[E, 2F, H]`` (gate rows first;
@@ -22,11 +23,11 @@ not always; the fused tensor's ``global_scale`` is ``[E]`` (that shared value) w
 agree bit for bit in every expert of the layer, else ``[E, 2]`` (gate's, then up's, as stored)
 for every expert of the layer, which the kernels and the references apply each to its own half:
 exact either way (see :class:`moe_jax.nvfp4.NVFP4Tensor`). The shared expert likewise: ``[]``
-or ``[2]``. The returned config's ``weight_format`` and
-``shared_weight_format`` say what the checkpoint stores: nothing is converted. The
-``input_scale`` values are kept as the optional group ``params["input_scales"]``
-(``gate_e``/``up_e``/``down_e`` float32 ``[E]``, ``shared_gate``/``shared_up``/``shared_down``
-scalars), for W4A4 kernels; the layer does not use them today.
+or ``[2]``. The returned config's ``weight_format`` and ``shared_weight_format`` say what the
+checkpoint stores: nothing is converted (but exact F16, below). The ``input_scale`` values are
+kept as the optional group ``params["input_scales"]`` (``gate_e``/``up_e``/``down_e`` float32
+``[E]``, ``shared_gate``/``shared_up``/``shared_down`` scalars), for W4A4 kernels; the layer
+does not use them today.
 
 Quantization settings come from ``config.json["quantization_config"]`` (``quant_method:
 modelopt``, ``quant_algo: NVFP4``, ``group_size: 16``, ``ignore``) or the older
@@ -35,13 +36,26 @@ exclusion entries are ``fnmatch`` patterns over module names (``model.layers.61*
 entry also excludes the modules inside the one it names. Every stored tensor is checked against
 them.
 
+Values are checked as they are read, on what is read: NVFP4 block scales must not be NaN
+(E4M3 ``0x7f``/``0xff``) or negative (``-0`` is allowed, and ``0``, an all-zero block, is
+kept). Unquantized projections are kept as stored when BF16 (the library's unquantized
+layout); F16 ones are converted to bf16 only when bf16 holds every value exactly (F16 has 10
+mantissa bits to bf16's 7, so trained F16 weights rarely do) and refused otherwise, naming the
+tensor and the count of inexact values: nothing is rounded on load (and :func:`save_moe_layer`
+writes the converted ones as BF16, the same values).
+
+A sharded checkpoint's index must agree with its files: every file it names exists and holds
+the tensors mapped to it, and no tensor is mapped twice or stored in two of its files. The
+layer's expert ids (``experts.{e}``) must be exactly ``0..n_routed_experts - 1``.
+
 Scope limits:
 
 * **No re-quantization, ever.** What the checkpoint holds is loaded bit for bit (ModelOpt on a
   GPU can compute a global scale one ulp away from the host's recipe, so re-quantizing would
   change weights); :func:`save_moe_layer` writes the same bits back.
 * One MoE layer at a time; the MTP layers past ``num_hidden_layers`` and
-  ``moe_layer_freq != 1`` are not supported; unquantized projections must be stored as BF16.
+  ``moe_layer_freq != 1`` are not supported; unquantized projections must be stored as BF16,
+  or as F16 that bf16 holds exactly.
 * :func:`save_moe_layer` gathers the layer on the host and writes a fresh directory.
 
 Errors are :class:`CheckpointError` (a ``ValueError``), one line naming the tensor (full name)
@@ -169,11 +183,25 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a key given two different values (``json.loads`` would keep the
+    last silently: an index mapping a tensor to two files)."""
+    out: dict = {}
+    for key, value in pairs:
+        if out.setdefault(key, value) != value:
+            raise CheckpointError(f"{key}: given twice in {INDEX_FILE}, as {out[key]!r} and {value!r}, expected once")
+    return out
+
+
 class Checkpoint:
     """A Hugging Face-style directory of safetensors: tensor names to :class:`TensorInfo`, and
     their data through memory maps (nothing is read before :meth:`read` asks for it).
 
     ``model.safetensors.index.json`` (its ``weight_map``) if present, else ``model.safetensors``.
+
+    Raises:
+      CheckpointError: an index that contradicts its files: a key given two values, a file
+        missing, a tensor missing from the file it is mapped to, or one tensor in two files.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -183,20 +211,32 @@ class Checkpoint:
         single = self.directory / SINGLE_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(index.read_text(), object_pairs_hook=_unique_keys)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({err!r})") from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}, expected an object")
             files = sorted(set(weight_map.values()))
-            headers = {}
+            headers: dict[str, dict[str, TensorInfo]] = {}
+            seen: set[str] = set()  # the tensors of the headers read so far
             for file in files:
                 if not (self.directory / file).is_file():
-                    first = next(name for name, f in weight_map.items() if f == file)
+                    names = [name for name, f in weight_map.items() if f == file]
+                    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                     raise CheckpointError(
-                        f"{self.directory / file}: missing, but {INDEX_FILE} lists it (for {first} and others)"
+                        f"{self.directory / file}: missing, but {INDEX_FILE} lists it (for {names[0]}{more})"
                     )
-                headers[file] = read_header(self.directory / file)
+                header = read_header(self.directory / file)
+                if not seen.isdisjoint(header):
+                    # Which copy is meant cannot be known, even where the index names one.
+                    name = next(n for n in header if n in seen)
+                    before = next(f for f, h in headers.items() if name in h)
+                    mapped = f"maps it to {weight_map[name]}" if name in weight_map else "does not list it"
+                    raise CheckpointError(
+                        f"{name}: stored in both {before} and {file}, expected one file ({INDEX_FILE} {mapped})"
+                    )
+                headers[file] = header
+                seen.update(header)
             self.tensors: dict[str, TensorInfo] = {}
             for name, file in weight_map.items():
                 if name not in headers[file]:
@@ -394,7 +434,7 @@ def _expected_tensors(proj: _Projection, weight_format: WeightFormat) -> dict[st
                 "weight_scale_2": (("F32",), ()),
             }
         case "bf16":
-            return {"weight": (("BF16",), (proj.n, proj.k))}
+            return {"weight": (("BF16", "F16"), (proj.n, proj.k))}  # F16: see _read_projection
         case _ as unreachable:
             assert_never(unreachable)
 
@@ -475,6 +515,37 @@ def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[_Projection, _Projection
     return scales_p2
 
 
+def _read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
+    """One projection tensor (``weight``, ``weight_scale``) as the library holds it, its values
+    checked: NVFP4 block scales neither NaN nor negative, F16 weights converted to bf16 exactly."""
+    value = ckpt.read(name)
+    if value.dtype == ml_dtypes.float8_e4m3fn:
+        # Finite positive E4M3 is 0x00..0x7e; one max() clears a normal tensor.
+        u8 = value.view(np.uint8)
+        if u8.max(initial=0) >= 0x7F:
+            bad = (u8 == 0x7F) | (u8 > 0x80)  # 0x7f/0xff NaN, 0x81.. negative; 0x80 is -0, harmless
+            if bad.any():
+                first = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise CheckpointError(
+                    f"{name}: {np.count_nonzero(bad)} of {u8.size} block scales NaN or negative (first at {list(first)}: "
+                    f"{value[first]}, byte 0x{u8[first]:02x}), expected finite E4M3 scales >= 0"
+                )
+    elif value.dtype == np.float16:
+        # The unquantized layout is bf16, and F16 holds 3 mantissa bits more: convert where exact.
+        bf16 = value.astype(ml_dtypes.bfloat16)
+        wide = value.astype(np.float32)
+        inexact = (bf16.astype(np.float32) != wide) & ~np.isnan(wide)  # NaN stays NaN, as in a BF16 weight
+        if inexact.any():
+            first = tuple(int(i) for i in np.argwhere(inexact)[0])
+            raise CheckpointError(
+                f"{name}: F16 {list(value.shape)}, {np.count_nonzero(inexact)} of {value.size} values not exact in bf16 "
+                f"(first at {list(first)}: {value[first]}), expected BF16, or F16 that bf16 holds exactly "
+                "(unquantized projections are bf16, and nothing is rounded on load)"
+            )
+        value = bf16
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Leaf:
     """One parameter array to be built: its global shape and dtype, and how to read a slice.
@@ -497,7 +568,7 @@ class _Leaf:
         experts = range(*index[0].indices(self.shape[0]))
         out = np.empty((len(experts), *self.shape[1:]), self.dtype)
         for i, e in enumerate(experts):
-            out[i] = np.concatenate([self.ckpt.read(name) for name in self.per_expert(e)], axis=0)
+            out[i] = np.concatenate([_read_projection(self.ckpt, name) for name in self.per_expert(e)], axis=0)
         return out[(slice(None), *index[1:])]
 
     @property
@@ -525,7 +596,7 @@ def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]
         if count is not None:
             return _Leaf(shape=(*lead, *shape), dtype=np.dtype(dtype), ckpt=ckpt,
                          per_expert=lambda e: [p.tensor(suffix) for p in projs_of(e)])
-        return _small(np.concatenate([ckpt.read(p.tensor(suffix)) for p in projs], axis=0))
+        return _small(np.concatenate([_read_projection(ckpt, p.tensor(suffix)) for p in projs], axis=0))
 
     match weight_format:
         case "nvfp4":
@@ -538,6 +609,22 @@ def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]
             return leaf("weight", (n, k), ml_dtypes.bfloat16)
         case _ as unreachable:
             assert_never(unreachable)
+
+
+def _check_expert_ids(ckpt: Checkpoint, mlp: str, e_count: int) -> None:
+    """The routed experts stored under ``{mlp}.experts.{e}.`` must be exactly ``0..e_count - 1``:
+    one line with both counts, rather than a missing or leftover tensor of one expert."""
+    prefix = f"{mlp}.experts."
+    ids = {int(m[1]) for name in ckpt.tensors if name.startswith(prefix)
+           and (m := re.match(r"(\d+)\.", name[len(prefix):]))}
+    if ids == set(range(e_count)):
+        return
+    stored = f"{len(ids)} expert ids"
+    if ids:
+        holes = sorted(set(range(max(ids))) - ids)
+        stored += f" ({min(ids)}..{max(ids)}" + (f", {len(holes)} missing, the first {holes[0]})" if holes else ")")
+    raise CheckpointError(f"{prefix}{{e}}: {stored} in the checkpoint, but config.json has {HF_KEYS['num_experts']} = "
+                          f"{e_count}, expected experts 0..{e_count - 1}")
 
 
 def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, config: MoEConfig):
@@ -572,6 +659,7 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
         leaves["router"]["bias_e"] = _small(ckpt.read(bias_name).astype(np.float32))
         used.add(bias_name)
 
+    _check_expert_ids(ckpt, mlp, e_count)
     routed = [p for e in range(e_count) for p in expert(e).values()]
     experts_format = _group_format(settings, routed, f"the routed experts of layer {layer}")
     experts_inputs = _check_group(ckpt, settings, routed, experts_format)
@@ -621,11 +709,6 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
             if inputs:
                 used.add(proj.tensor("input_scale"))
     for name in sorted(n for n in ckpt.tensors if n.startswith(f"{mlp}.") and n not in used):
-        match = re.fullmatch(rf"{re.escape(mlp)}\.experts\.(\d+)\..*", name)
-        if match and int(match[1]) >= e_count:
-            raise CheckpointError(
-                f"{name}: expert {match[1]}, but config.json has n_routed_experts = {e_count} (experts 0..{e_count - 1})"
-            )
         raise CheckpointError(f"{name}: {ckpt.info(name).describe()}, not a tensor of a {experts_format} MoE layer "
                               f"with {'a ' + shared_format + ' shared expert' if shared_format else 'no shared expert'}")
     return leaves, experts_format, shared_format
@@ -714,9 +797,11 @@ def load_moe_layer(
 
     Raises:
       CheckpointError: (a ValueError) one line naming the tensor or file: a missing tensor or
-        file, a wrong shape or dtype, an expert count that disagrees with the config, a
-        dense or out-of-range layer, formats that disagree with the quantization settings, a
-        leftover tensor.
+        file, a wrong shape or dtype, expert ids other than ``0..E-1`` of the config, a dense
+        or out-of-range layer, formats that disagree with the quantization settings, a
+        leftover tensor, an index that contradicts its files, a bad scale (NaN, infinite, zero
+        or negative ``weight_scale_2`` / ``input_scale``, NaN or negative block scales), F16
+        weights that bf16 cannot hold exactly.
     """
     directory = Path(directory)
     if not directory.is_dir():

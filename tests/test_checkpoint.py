@@ -387,6 +387,48 @@ def set_ignore(patterns):
     return lambda c: c["quantization_config"].__setitem__("ignore", patterns)
 
 
+def drop_experts(layer, experts):
+    pattern = rf"model\.layers\.{layer}\.mlp\.experts\.({'|'.join(map(str, experts))})\."
+    return lambda t: [t.pop(n) for n in [n for n in t if re.match(pattern, n)]]
+
+
+def renumber_experts(layer, shift):
+    prefix = f"model.layers.{layer}.mlp.experts."
+
+    def edit(t):
+        moved = {n: t.pop(n) for n in [n for n in t if n.startswith(prefix)]}
+        for name, value in moved.items():
+            e, rest = name[len(prefix):].split(".", 1)
+            t[f"{prefix}{int(e) + shift}.{rest}"] = value
+    return edit
+
+
+def with_bytes(scales, byte_at):
+    """E4M3 block scales with the bytes at some indices replaced."""
+    u8 = scales.view(np.uint8).copy()
+    for index, byte in byte_at.items():
+        u8[index] = byte
+    return u8.view(ml_dtypes.float8_e4m3fn)
+
+
+def as_exact_f16(w_bf16):
+    """bf16 weights as F16 holding the same values: those below F16's normal range (2**-14),
+    where F16 has fewer than bf16's 8 significant bits, are zeroed first."""
+    w = w_bf16.astype(np.float32)
+    w = np.where(np.abs(w) < 2.0**-14, np.float32(0), w)
+    w_f16 = w.astype(np.float16)
+    assert (w_f16.astype(np.float32) == w).all()
+    return w_f16
+
+
+def f16_with_inexact(w_bf16, indices):
+    """``as_exact_f16`` with 1 + 2**-10 (an F16 value, 3 bits past bf16's mantissa) at ``indices``."""
+    w = as_exact_f16(w_bf16)
+    for index in indices:
+        w[index] = 1 + 2.0**-10
+    return w
+
+
 ERRORS = {
     "missing tensor": (
         dict(edit=drop("model.layers.1.mlp.experts.5.down_proj.weight_scale")), 1,
@@ -428,7 +470,39 @@ ERRORS = {
         rf"^{MLP1}\.gate\.weight: BF16 \[16, 256\], expected BF16/F32/F16 \[8, 256\] \(router \[n_routed_experts"),
     "an extra expert": (
         dict(edit=lambda t: t.update({"model.layers.1.mlp.experts.16.down_proj.weight_scale_2": np.float32(1)})), 1,
-        rf"^{MLP1}\.experts\.16\.down_proj\.weight_scale_2: expert 16, but config.json has n_routed_experts = 16"),
+        rf"^{MLP1}\.experts\.\{{e\}}: 17 expert ids \(0\.\.16\) in the checkpoint, but config\.json has "
+        r"n_routed_experts = 16, expected experts 0\.\.15$"),
+    "the last experts missing": (
+        dict(edit=drop_experts(1, [14, 15])), 1,
+        rf"^{MLP1}\.experts\.\{{e\}}: 14 expert ids \(0\.\.13\) in the checkpoint, but config\.json has "
+        r"n_routed_experts = 16, expected experts 0\.\.15$"),
+    "an expert missing in the middle": (
+        dict(edit=drop_experts(3, [5])), 3,
+        r"^model\.layers\.3\.mlp\.experts\.\{e\}: 15 expert ids \(0\.\.15, 1 missing, the first 5\) in the "
+        r"checkpoint, but config\.json has n_routed_experts = 16, expected experts 0\.\.15$"),
+    "experts numbered from 1": (
+        dict(edit=renumber_experts(2, 1)), 2,
+        r"^model\.layers\.2\.mlp\.experts\.\{e\}: 16 expert ids \(1\.\.16, 1 missing, the first 0\) in the "
+        r"checkpoint, but config\.json has n_routed_experts = 16"),
+    "NaN block scales": (
+        dict(edit=replace("model.layers.1.mlp.experts.3.gate_proj.weight_scale",
+                          lambda a: with_bytes(a, {(2, 5): 0x7F, (7, 1): 0xFF, (9, 0): 0xB0, (1, 1): 0x80}))), 1,
+        rf"^{MLP1}\.experts\.3\.gate_proj\.weight_scale: 3 of 2048 block scales NaN or negative \(first at "
+        r"\[2, 5\]: nan, byte 0x7f\), expected finite E4M3 scales >= 0$"),
+    "a negative block scale": (
+        dict(edit=replace("model.layers.3.mlp.experts.15.down_proj.weight_scale",
+                          lambda a: with_bytes(a, {(1, 1): 0x80, (200, 3): 0xB0}))), 3,
+        r"^model\.layers\.3\.mlp\.experts\.15\.down_proj\.weight_scale: 1 of 2048 block scales NaN or negative "
+        r"\(first at \[200, 3\]: -0\.5, byte 0xb0\), expected finite E4M3 scales >= 0$"),
+    "F16 expert weights bf16 cannot hold": (
+        dict(edit=replace("model.layers.2.mlp.experts.4.down_proj.weight",
+                          lambda a: f16_with_inexact(a, [(255, 127), (0, 3), (10, 7)]))), 2,
+        r"^model\.layers\.2\.mlp\.experts\.4\.down_proj\.weight: F16 \[256, 128\], 3 of 32768 values not exact in "
+        r"bf16 \(first at \[0, 3\]: 1\.0009765625\), expected BF16, or F16 that bf16 holds exactly"),
+    "F16 shared weights bf16 cannot hold": (
+        dict(edit=replace("model.layers.1.mlp.shared_experts.up_proj.weight", lambda a: f16_with_inexact(a, [(5, 6)]))),
+        1, rf"^{MLP1}\.shared_experts\.up_proj\.weight: F16 \[128, 256\], 1 of 32768 values not exact in bf16 "
+           r"\(first at \[5, 6\]: 1\.0009765625\)"),
     "a leftover tensor": (
         dict(edit=lambda t: t.update({"model.layers.1.mlp.experts.0.gate_proj.bias": np.zeros(128, np.float32)})), 1,
         rf"^{MLP1}\.experts\.0\.gate_proj\.bias: F32 \[128\], not a tensor of a nvfp4 MoE layer with a bf16 shared"),
@@ -452,7 +526,7 @@ ERRORS = {
         r"^model\.layers\.2\.mlp\.experts\.0\.gate_proj\.weight: BF16 \[128, 256\], expected U8 \[128, 128\] \(nvfp4 by "),
     "NVFP4 where the settings exclude it": (
         dict(config_edit=set_ignore(["model.layers.*.mlp.shared_experts*", "model.layers.1.mlp.experts*"])), 1,
-        rf"^{MLP1}\.experts\.0\.gate_proj\.weight: U8 \[128, 128\], expected BF16 \[128, 256\] \(bf16 by "),
+        rf"^{MLP1}\.experts\.0\.gate_proj\.weight: U8 \[128, 128\], expected BF16/F16 \[128, 256\] \(bf16 by "),
     "shared expert not excluded": (
         dict(config_edit=set_ignore([])), 1,
         rf"^{MLP1}\.shared_experts\.gate_proj\.weight: BF16 \[128, 256\], expected U8 \[128, 128\] \(nvfp4 by "),
@@ -488,8 +562,112 @@ def test_index_errors(tmp_path, synthetic):
         load_moe_layer(directory, 1, progress=False)
     (directory / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model-00002-of-00003.safetensors: missing, but "
-                                              r"model.safetensors.index.json lists it \(for .* and others\)$"):
+                                              r"model.safetensors.index.json lists it \(for \S+ and \d+ more\)$"):
         load_moe_layer(directory, 1, progress=False)
+
+
+INDEX = "model.safetensors.index.json"
+MOVED = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
+
+
+def index_and_another_file(directory):
+    """The index, the file it maps MOVED to, and another of its files."""
+    index = json.loads((directory / INDEX).read_text())
+    home = index["weight_map"][MOVED]
+    return index, home, next(f for f in sorted(set(index["weight_map"].values())) if f != home)
+
+
+def test_an_index_mapping_to_a_missing_file_names_the_tensor(tmp_path, synthetic):
+    directory = variant(tmp_path, synthetic)
+    index, _, _ = index_and_another_file(directory)
+    index["weight_map"][MOVED] = "model-00004-of-00003.safetensors"
+    (directory / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(directory))}/model-00004-of-00003\.safetensors: "
+                                              rf"missing, but {INDEX} lists it \(for {re.escape(MOVED)}\)$"):
+        load_moe_layer(directory, 1, progress=False)
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["index maps it to one", "index lacks it"])
+def test_a_tensor_in_two_files_is_an_error(tmp_path, synthetic, listed):
+    """Which of two copies is meant cannot be known, whether or not the index names one."""
+    directory = variant(tmp_path, synthetic)
+    index, home, other = index_and_another_file(directory)
+    in_other = {n: np.array(synthetic.tensors[n], order="C") for n, f in index["weight_map"].items() if f == other}
+    save_file({**in_other, MOVED: synthetic.tensors[MOVED]}, str(directory / other), metadata={"format": "pt"})
+    if not listed:
+        del index["weight_map"][MOVED]
+        (directory / INDEX).write_text(json.dumps(index))
+    first, second = sorted([home, other])
+    mapped = f"maps it to {home}" if listed else "does not list it"
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(MOVED)}: stored in both {first} and {second}, expected "
+                                              rf"one file \({INDEX} {mapped}\)$"):
+        load_moe_layer(directory, 1, progress=False)
+
+
+def test_an_index_mapping_a_tensor_twice_is_an_error(tmp_path, synthetic):
+    """JSON allows a key twice and json.loads keeps the last: the index would pick a file silently."""
+    directory = variant(tmp_path, synthetic)
+    _, home, other = index_and_another_file(directory)
+    text = (directory / INDEX).read_text()
+    entry = f'"{MOVED}": "{home}"'
+    assert text.count(entry) == 1
+    (directory / INDEX).write_text(text.replace(entry, f'{entry},\n    "{MOVED}": "{other}"'))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(MOVED)}: given twice in {INDEX}, as '{home}' and "
+                                              rf"'{other}', expected once$"):
+        load_moe_layer(directory, 1, progress=False)
+
+
+def test_zero_block_scales_load_as_stored(tmp_path, synthetic):
+    """0 (an all-zero block) and -0 are valid block scales: kept bit for bit."""
+    name = "model.layers.1.mlp.experts.6.up_proj.weight_scale"
+    zeros = {(0, 0): 0x00, (3, 2): 0x80, (127, 15): 0x00}
+    directory = variant(tmp_path, synthetic, edit=replace(name, lambda a: with_bytes(a, zeros)))
+    _, params = load_moe_layer(directory, 1, progress=False)
+    expected = synthetic.expected[1]
+    w = expected["experts"]["w_gate_up_egh"]
+    scales = w.scales.copy()
+    scales[6, sc.F:] = with_bytes(scales[6, sc.F:], zeros)
+    assert_bitwise_equal(params, {**expected, "experts": {**expected["experts"], "w_gate_up_egh": dataclasses.replace(
+        w, scales=scales)}})
+
+
+def test_a_nan_block_scale_is_caught_in_the_shard_read_of_its_device(tmp_path, synthetic, cpu_devices):
+    """With a mesh, the scales are checked as each device's experts are read (the last device's here)."""
+    name = "model.layers.1.mlp.experts.15.down_proj.weight_scale"
+    directory = variant(tmp_path, synthetic, edit=replace(name, lambda a: with_bytes(a, {(4, 2): 0xFF})))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(name)}: 1 of 2048 block scales NaN or negative \(first at "
+                                              r"\[4, 2\]: nan, byte 0xff\)"):
+        load_moe_layer(directory, 1, mesh=make_mesh(4, devices=cpu_devices[:4]), progress=False)
+
+
+@pytest.mark.parametrize("mesh_size", [None, 4])
+def test_f16_unquantized_projections_load_as_the_bf16_values_they_hold(tmp_path, synthetic, cpu_devices, mesh_size):
+    """F16 routed experts (layer 2, excluded from quantization) and a shared expert whose gate
+    alone is F16 (layer 1), every value one that bf16 holds: loaded as bf16, the same values."""
+    f16_names = [n for n in synthetic.tensors if re.fullmatch(r"model\.layers\.2\.mlp\.experts\.\d+\.\w+\.weight", n)]
+    f16_names.append("model.layers.1.mlp.shared_experts.gate_proj.weight")
+
+    def to_f16(t):
+        t.update({n: as_exact_f16(t[n]) for n in f16_names})
+
+    directory = variant(tmp_path, synthetic, edit=to_f16)
+    assert {Checkpoint(directory).info(n).dtype for n in f16_names} == {"F16"}
+    mesh = None if mesh_size is None else make_mesh(mesh_size, devices=cpu_devices[:mesh_size])
+
+    def zero_small(w_bf16):  # the values as_exact_f16 stores, as bf16
+        return np.where(np.abs(w_bf16.astype(np.float32)) < 2.0**-14, 0, w_bf16).astype(ml_dtypes.bfloat16)
+
+    for layer in (1, 2):
+        config, params = load_moe_layer(directory, layer, mesh=mesh, progress=False)
+        assert (config.weight_format, config.shared_format) == ("bf16" if layer == 2 else "nvfp4", "bf16")
+        expected = synthetic.expected[layer]
+        if layer == 2:
+            expected = {**expected, "experts": jax.tree.map(zero_small, expected["experts"])}
+        else:
+            s_gu = expected["shared"]["w_gate_up_gh"]
+            expected = {**expected, "shared": {**expected["shared"], "w_gate_up_gh": np.concatenate(
+                [zero_small(s_gu[:sc.F]), s_gu[sc.F:]])}}
+        assert_bitwise_equal(params, expected)
 
 
 def test_other_errors(tmp_path, ckpt_dir, cpu_devices):

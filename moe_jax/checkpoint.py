@@ -26,8 +26,8 @@ exact either way (see :class:`moe_jax.nvfp4.NVFP4Tensor`). The shared expert lik
 or ``[2]``. The returned config's ``weight_format`` and ``shared_weight_format`` say what the
 checkpoint stores: nothing is converted (but exact F16, below). The ``input_scale`` values are
 kept as the optional group ``params["input_scales"]`` (``gate_e``/``up_e``/``down_e`` float32
-``[E]``, ``shared_gate``/``shared_up``/``shared_down`` scalars), for W4A4 kernels; the layer
-does not use them today.
+``[E]``, ``shared_gate``/``shared_up``/``shared_down`` scalars): W4A4 quantizes the routed
+experts' activations against them (``MoEConfig.activation_scale``).
 
 Quantization settings come from ``config.json["quantization_config"]`` (``quant_method:
 modelopt``, ``quant_algo: NVFP4``, ``group_size: 16``, ``ignore``) or the older

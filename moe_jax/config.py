@@ -21,6 +21,8 @@ from moe_jax.auto import AUTO
 Scoring = Literal["softmax", "sigmoid"]
 WeightFormat = Literal["bf16", "nvfp4"]
 ActivationDtype = Literal["bfloat16", "float32"]
+ActivationScale = Literal["auto", "checkpoint", "dynamic"]
+ReferenceActivations = Literal["bf16", "nvfp4"]
 
 
 def _fail(field: str, value, rule: str):
@@ -72,6 +74,28 @@ class MoEConfig:
         :attr:`expert_param_format`), quantized to NVFP4 in every forward pass; the expert GEMMs
         run on that quantization, and gradients reach the masters through a straight-through
         estimator (``moe_jax.experts``).
+      activation_scale: the global scale W4A4 quantizes the routed experts' activations against
+        (one per row; E4M3 block scales are always computed on the fly). ``"checkpoint"``: the
+        checkpoint's calibrated static ``input_scale`` of each expert (``params["input_scales"]``,
+        required), as TensorRT-LLM and vLLM quantize; the fused gate/up takes the larger of gate's
+        and up's. A row past the calibrated range (``6 * 448 * input_scale``) saturates.
+        ``"dynamic"``: ``amax(|row|) / (6 * 448)`` of each row, computed on the fly (never
+        saturates). ``"auto"``: the checkpoint's where the params carry them, else dynamic.
+        Only where activations are quantized (``triton`` on SM100/SM120,
+        ``reference_activations="nvfp4"``); ignored everywhere else. The shared expert's
+        activations are never quantized. What it costs, measured
+        (``benchmarks/activation_scale_error.py`` on CPU, seeds 0 and 1): Kimi K2's routed experts
+        at 16 experts, 64 tokens with log-normal channel sizes, static scales max-calibrated on
+        256 other tokens; relative (Frobenius) error of their output against float64 with the
+        same NVFP4 weights and unquantized activations: W4A16 (bf16 activations) 4.2e-3, W4A4
+        ``"dynamic"`` 0.160, ``"checkpoint"`` 0.160, ``"checkpoint"`` with every input_scale 4x
+        too small 0.33; against W4A16 the same figures (0.160, 0.160, 0.33): W4A4's error is the
+        activations' rounding.
+      reference_activations: what the ``xla`` reference multiplies the routed experts' weights
+        with: ``"bf16"``, the activations in ``dtype`` (W4A16, as the ``pallas`` kernels and
+        ``triton`` below SM100 do), or ``"nvfp4"``, the activations quantized exactly as the W4A4
+        kernels' inputs are (per ``activation_scale``) and dequantized, so that the W4A4 layer's
+        numerics can be checked on any machine (needs ``weight_format="nvfp4"``).
 
     Implementations (each ``"auto"`` or a registered name, checked by ``resolve``; see
     ``moe-jax explain``):
@@ -105,6 +129,8 @@ class MoEConfig:
     shared_weight_format: WeightFormat | None = None
     dtype: ActivationDtype = "bfloat16"
     qat: bool = False
+    activation_scale: ActivationScale = "auto"
+    reference_activations: ReferenceActivations = "bf16"
 
     expert_gemm: str = AUTO
     exchange: str = AUTO
@@ -132,6 +158,8 @@ class MoEConfig:
             ("scoring", get_args(Scoring)),
             ("weight_format", get_args(WeightFormat)),
             ("dtype", get_args(ActivationDtype)),
+            ("activation_scale", get_args(ActivationScale)),
+            ("reference_activations", get_args(ReferenceActivations)),
         ):
             if getattr(self, field) not in allowed:
                 _fail(field, getattr(self, field), f"must be one of {', '.join(map(repr, allowed))}")
@@ -153,6 +181,9 @@ class MoEConfig:
         if self.qat and self.weight_format != "nvfp4":
             _fail("qat", self.qat, f"needs weight_format='nvfp4' (found {self.weight_format!r}): it trains "
                   "float masters through their NVFP4 quantization")
+        if self.reference_activations == "nvfp4" and self.weight_format != "nvfp4":
+            _fail("reference_activations", self.reference_activations, f"needs weight_format='nvfp4' (found "
+                  f"{self.weight_format!r}): it reproduces the W4A4 kernels, which take NVFP4 weights")
         if self.weight_format == "nvfp4":
             for field in ("hidden_size", "expert_intermediate_size"):
                 if getattr(self, field) % 16:

@@ -6,7 +6,10 @@ Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan)
 * ``group_sizes_e``: int32 ``[E_local]``; rows past ``sum(group_sizes_e)`` are padding, and
   their outputs are unspecified;
 * ``weights``: ``{"w_gate_up_egh": [E_local, 2F, H], "w_down_ehf": [E_local, H, F]}``, each a
-  bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` (out, in; gate rows before up rows);
+  bf16 array or an :class:`~moe_jax.nvfp4.NVFP4Tensor` (out, in; gate rows before up rows), and
+  ``"input_scales": {"gate_e", "up_e", "down_e"}`` float32 ``[E_local]`` where the layer takes
+  the checkpoint's static activation scales (``MoEConfig.activation_scale``): an implementation
+  that quantizes activations (W4A4) quantizes against them, the others ignore them;
 * ``plan``: the resolved :class:`~moe_jax.plan.Plan` (config and target);
 * returns ``y_mh`` ``[M, H]`` in ``plan.config.dtype``.
 
@@ -64,24 +67,74 @@ def _straight_through(master: jax.Array, dtype) -> jax.Array:
     return (master.astype(jnp.float32) + jax.lax.stop_gradient(quantized - master.astype(jnp.float32))).astype(dtype)
 
 
+def _static_scales(weights) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(gate_up_e, down_e)``: the static activation scales (float32 ``[E_local]``) the W4A4
+    inputs of the two projections are quantized against, or ``(None, None)`` for per-row
+    dynamic ones. The fused gate/up kernel reads one activation for both halves, so it takes the
+    larger of gate's and up's ``input_scale``, as vLLM does: the smaller would saturate the
+    half calibrated to the larger range."""
+    scales = weights.get("input_scales")
+    if scales is None:
+        return None, None
+    return jnp.maximum(scales["gate_e"], scales["up_e"]), scales["down_e"]
+
+
+def _nvfp4_rows(a_mk, input_scale_e, group_sizes_e) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``a_mk [M, K]`` quantized as the W4A4 kernels take it (:func:`moe_jax.nvfp4.quantize_rows`):
+    against each row's expert's static scale from ``input_scale_e [E_local]``, or, with None,
+    against the row's own amax. Padding rows past ``sum(group_sizes_e)`` take the last expert's."""
+    global_m = None
+    if input_scale_e is not None:
+        global_m = jnp.repeat(input_scale_e, group_sizes_e, total_repeat_length=a_mk.shape[0])
+    return nvfp4.quantize_rows(a_mk, global_m)
+
+
 def xla_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
     fused kernel that writes it in bf16 would. Under ``config.qat`` the weights are float
     masters, used through their NVFP4 quantization (:func:`_straight_through`).
+
+    ``config.reference_activations``: ``"bf16"`` multiplies the activations in ``config.dtype``
+    with the weights rounded to it (W4A16). ``"nvfp4"`` (W4A4) quantizes the activations of
+    both projections exactly as the W4A4 kernels' inputs are (:func:`_nvfp4_rows`, per
+    ``config.activation_scale``; the down projection's from the bf16 SwiGLU output), dequantizes
+    them and multiplies them with the exactly dequantized weights in float32 (full precision,
+    no TF32). Gradients pass the activations' rounding straight through, as ``qat`` passes the
+    weights'.
     """
-    dtype = jnp.dtype(plan.config.dtype)
-    dense = functools.partial(_straight_through, dtype=dtype) if plan.config.qat else (
-        lambda w: dense_weight(w, dtype))
+    config = plan.config
+    dtype = jnp.dtype(config.dtype)
+    match config.reference_activations:
+        case "bf16":
+            quantized_rows, operand_dtype, precision = False, dtype, None
+        case "nvfp4":
+            quantized_rows, operand_dtype, precision = True, jnp.dtype(jnp.float32), jax.lax.Precision.HIGHEST
+        case _ as unreachable:
+            assert_never(unreachable)
+    gate_up_scale_e, down_scale_e = _static_scales(weights)
+
+    def rows(a_mk, input_scale_e):
+        a_mk = a_mk.astype(operand_dtype)
+        if not quantized_rows:
+            return a_mk
+        # One global scale per row: an [M, K] matrix of M row groups.
+        quantized = nvfp4.dequantize(nvfp4.NVFP4Tensor(*_nvfp4_rows(jax.lax.stop_gradient(a_mk), input_scale_e,
+                                                                     group_sizes_e)))
+        return a_mk + jax.lax.stop_gradient(quantized - a_mk)
+
+    dense = functools.partial(_straight_through, dtype=operand_dtype) if config.qat else (
+        lambda w: dense_weight(w, operand_dtype))
     w_gate_up_egh, w_down_ehf = dense(weights["w_gate_up_egh"]), dense(weights["w_down_ehf"])
     h_mg = jax.lax.ragged_dot_general(
-        x_mh.astype(dtype), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
-        preferred_element_type=jnp.float32,
+        rows(x_mh.astype(dtype), gate_up_scale_e), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
+        precision=precision, preferred_element_type=jnp.float32,
     )
     a_mf = swiglu(h_mg).astype(dtype)
     y_mh = jax.lax.ragged_dot_general(
-        a_mf, w_down_ehf, group_sizes_e, _ROWS_TIMES_OUT_IN, preferred_element_type=jnp.float32
+        rows(a_mf, down_scale_e), w_down_ehf, group_sizes_e, _ROWS_TIMES_OUT_IN, precision=precision,
+        preferred_element_type=jnp.float32,
     )
     return y_mh.astype(dtype)
 
@@ -217,6 +270,13 @@ def _pallas_expert_mlp_bwd(plan: Plan, residuals, dy_mh):
 pallas_expert_mlp.defvjp(_pallas_expert_mlp_fwd, _pallas_expert_mlp_bwd)
 
 
+def _pallas_run(x_mh, group_sizes_e, weights, plan: Plan):
+    """:func:`pallas_expert_mlp` on the projections: its kernels take bf16 activations (W4A16),
+    so activation scales are not theirs to read."""
+    return pallas_expert_mlp(x_mh, group_sizes_e, {name: weights[name] for name in ("w_gate_up_egh", "w_down_ehf")},
+                             plan)
+
+
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
     # No condition on target.training: the kernels have a VJP (pallas_expert_mlp).
     if not config.interpret:
@@ -239,28 +299,33 @@ def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     jax-triton): fused gate/up + SwiGLU, then the down projection. Inference only (no VJP).
 
     On SM100/SM120 (W4A4) each kernel's activations are quantized to NVFP4 just before it, one
-    global scale per row (:func:`moe_jax.nvfp4.quantize_rows`: a token's rounding depends on that
-    token alone), and the FP4 tensor cores multiply; below SM100 (W4A16) the weights are
-    dequantized in registers and bf16 tensor cores multiply. The checkpoint's static
-    ``input_scale`` is not used: per-row scales computed on the fly never saturate.
+    global scale per row (:func:`moe_jax.nvfp4.quantize_rows`): the checkpoint's static
+    ``input_scale`` of the row's expert where ``weights`` carry them (``config.activation_scale``;
+    the fused gate/up takes the larger of gate's and up's), else the row's own amax, computed on
+    the fly (a token's rounding depends on that token alone, and never saturates). Then the FP4
+    tensor cores multiply. Below SM100 (W4A16) the weights are dequantized in registers and bf16
+    tensor cores multiply.
     """
     from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton, loaded on use)
 
     cc = plan.target.compute_capability
     mode = native.mode_for(cc)
 
-    def rows(a_mk):
+    gate_up_scale_e, down_scale_e = _static_scales(weights)
+
+    def rows(a_mk, input_scale_e):
         match mode:
             case native.Mode.W4A16:
                 return a_mk.astype(jnp.bfloat16)
             case native.Mode.W4A4:
-                return native.NVFP4Rows(*nvfp4.quantize_rows(a_mk))
+                return native.NVFP4Rows(*_nvfp4_rows(a_mk, input_scale_e, group_sizes_e))
             case _:
                 assert_never(mode)
 
-    a_mf = native.run(native.Op.GATE_UP_SWIGLU, rows(x_mh), weights["w_gate_up_egh"], group_sizes_e,
+    a_mf = native.run(native.Op.GATE_UP_SWIGLU, rows(x_mh, gate_up_scale_e), weights["w_gate_up_egh"], group_sizes_e,
                       compute_capability=cc)
-    y_mh = native.run(native.Op.MATMUL, rows(a_mf), weights["w_down_ehf"], group_sizes_e, compute_capability=cc)
+    y_mh = native.run(native.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
+                      compute_capability=cc)
     return y_mh.astype(plan.config.dtype)
 
 
@@ -319,6 +384,44 @@ def _auto_order(target: Target, config: MoEConfig):
     return ("pallas", "xla", "triton"), "the Pallas kernels where they can run, else the reference"
 
 
+def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> str:
+    """For the resolution report (``Plan.activations``): what the routed experts' GEMMs multiply
+    the weights with, ``expert_gemm`` having been chosen, and, where the activations are
+    quantized (W4A4), against which global scale."""
+    cc = target.compute_capability
+    match expert_gemm:
+        case "triton":
+            from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+            w4a4 = native.mode_for(cc) is native.Mode.W4A4
+            where = (f"W4A4 on the FP4 tensor cores of SM{cc}" if w4a4
+                     else f"W4A16: triton dequantizes the weights on SM{cc}")
+        case "xla":
+            w4a4 = config.reference_activations == "nvfp4"
+            where = ("the reference's W4A4 mode, reference_activations='nvfp4'" if w4a4
+                     else "W4A16 reference; reference_activations='nvfp4' quantizes them as W4A4 does")
+        case "pallas":
+            w4a4, where = False, "W4A16: the pallas kernels dequantize the weights"
+        case other:
+            raise ValueError(f"expert_gemm: {other!r}, expected one of {EXPERT_GEMM.names()}")
+    if config.weight_format == "bf16":
+        where = "bf16 weights"
+    if not w4a4:
+        return f"{config.dtype}, not quantized ({where}); activation_scale={config.activation_scale!r} has no effect"
+    checkpoint = "global scale from the checkpoint's static input_scale of each expert"
+    match config.activation_scale:
+        case "checkpoint":
+            scale = f"{checkpoint} (gate/up: the larger)"
+        case "dynamic":
+            scale = "dynamic per-row global scale, amax / (6 * 448)"
+        case "auto":
+            scale = f"{checkpoint} where the params carry them (gate/up: the larger), else dynamic per row"
+        case _ as unreachable:
+            assert_never(unreachable)
+    shared = f"; the shared expert's stay {config.dtype}" if config.num_shared_experts else ""
+    return f"NVFP4 per row, {scale} (activation_scale={config.activation_scale!r}; {where}){shared}"
+
+
 EXPERT_GEMM = Registry(
     stage="expert_gemm",
     implementations=(
@@ -327,7 +430,7 @@ EXPERT_GEMM = Registry(
             summary=("Pallas/Triton grouped GEMMs, NVFP4 dequantized in-kernel, fused SwiGLU; SM80-SM120; "
                      "differentiable (input- and weight-gradient kernels)"),
             cannot_run=_pallas_cannot_run,
-            run=pallas_expert_mlp,
+            run=_pallas_run,
         ),
         Implementation(
             name="triton",

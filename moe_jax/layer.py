@@ -186,10 +186,11 @@ def check_params(params: Params, config: MoEConfig) -> None:
     Routed projections must be in ``config.expert_param_format``, shared ones in
     ``config.shared_format``. One optional group is accepted besides :func:`param_shapes`'
     layout: ``params["input_scales"]``, the activation scales of an NVFP4 checkpoint
-    (ModelOpt's ``input_scale``, one per projection), kept for W4A4 kernels and unused by the
-    layer today: ``"gate_e"``, ``"up_e"``, ``"down_e"`` float32 ``[E]`` (all three or none) and,
-    with shared experts, ``"shared_gate"``, ``"shared_up"``, ``"shared_down"`` float32 scalars
-    (all three or none).
+    (ModelOpt's ``input_scale``, one per projection): ``"gate_e"``, ``"up_e"``, ``"down_e"``
+    float32 ``[E]`` (all three or none), the routed experts' static W4A4 activation scales
+    (``config.activation_scale``; ``"checkpoint"`` requires them) and, with shared experts,
+    ``"shared_gate"``, ``"shared_up"``, ``"shared_down"`` float32 scalars (all three or none;
+    kept, unused: the shared expert's activations are not quantized).
     """
     expected = param_shapes(config)
     formats = {"router": None, "experts": config.expert_param_format, "shared": config.shared_format}
@@ -244,6 +245,27 @@ def check_params(params: Params, config: MoEConfig) -> None:
                 if getattr(w, "dtype", None) != jnp.float32 or tuple(w.shape) != shape:
                     found = f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}"
                     raise ValueError(f"params['input_scales'][{name!r}]: {found}, expected float32 {shape}")
+    if config.activation_scale == "checkpoint" and "gate_e" not in params.get("input_scales", {}):
+        raise ValueError("params['input_scales']: no 'gate_e', 'up_e', 'down_e' (the routed experts' input_scale), "
+                         "expected with MoEConfig.activation_scale='checkpoint' ('auto' or 'dynamic' quantize per row)")
+
+
+def _expert_weights(params: Params, config: MoEConfig) -> dict:
+    """What the expert stage gets (:mod:`moe_jax.experts`): ``params["experts"]``, with the
+    routed experts' ``"input_scales"`` where ``config.activation_scale`` takes the checkpoint's
+    (``"checkpoint"``, or ``"auto"`` with the params carrying them). Inside ``shard_map`` those
+    are this device's experts' (they are split along the experts as the weights are)."""
+    scales = params.get("input_scales", {})
+    match config.activation_scale:
+        case "dynamic":
+            static = False
+        case "checkpoint" | "auto":
+            static = "gate_e" in scales
+        case _ as unreachable:
+            assert_never(unreachable)
+    if not static:
+        return params["experts"]
+    return {**params["experts"], "input_scales": {name: scales[name] for name in ("gate_e", "up_e", "down_e")}}
 
 
 def _dense_mlp(x_th, w_gate_up_gh, w_down_hs, dtype):
@@ -281,10 +303,11 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     ids_tk = jnp.where(counted_t[:, None], ids_tk, config.num_experts)
 
     expert_impl = EXPERT_GEMM[plan.expert_gemm]
+    expert_weights = _expert_weights(params, config)
 
     def expert_fn(x_mh, group_sizes_e):
         with jax.named_scope(plan.scope(EXPERT_GEMM.stage)):
-            return expert_impl.run(x_mh, group_sizes_e, params["experts"], plan)
+            return expert_impl.run(x_mh, group_sizes_e, expert_weights, plan)
 
     with jax.named_scope(plan.scope(EXCHANGE.stage)):
         y_th, dropped = EXCHANGE[plan.exchange].run(

@@ -33,6 +33,11 @@ class CorrectionBias(nnx.Variable):
     includes it."""
 
 
+class InputScale(nnx.Variable):
+    """A calibrated activation scale of an NVFP4 checkpoint (ModelOpt's ``input_scale``),
+    float32 ``[E]`` or ``[]``: read by W4A4 (``MoEConfig.activation_scale``), never trained."""
+
+
 def _variable(w):
     return QuantizedWeight(w) if isinstance(w, NVFP4Tensor) else nnx.Param(w)
 
@@ -44,7 +49,8 @@ class MoE(nnx.Module):
     bf16 weights and the router weights are ``nnx.Param`` (trainable); NVFP4 weights are
     :class:`QuantizedWeight` variables, so ``nnx.grad`` over ``nnx.Param`` skips them. With
     ``config.router_bias`` the selection bias is a :class:`CorrectionBias` variable, balanced
-    by :meth:`update_load_balance` after each step (auxiliary-loss-free, as DeepSeek-V3).
+    by :meth:`update_load_balance` after each step (auxiliary-loss-free, as DeepSeek-V3). A
+    checkpoint's ``params["input_scales"]`` are kept as :class:`InputScale` variables.
 
     Args:
       config: the layer.
@@ -80,6 +86,8 @@ class MoE(nnx.Module):
         shared = params.get("shared")
         self.shared_w_gate_up_gh = _variable(shared["w_gate_up_gh"]) if shared else None
         self.shared_w_down_hs = _variable(shared["w_down_hs"]) if shared else None
+        self.input_scales = (nnx.Dict({name: InputScale(v) for name, v in params["input_scales"].items()})
+                             if "input_scales" in params else None)
 
     @property
     def config(self) -> MoEConfig:
@@ -101,6 +109,8 @@ class MoE(nnx.Module):
                 "w_gate_up_gh": self.shared_w_gate_up_gh.get_value(),
                 "w_down_hs": self.shared_w_down_hs.get_value(),
             }
+        if self.input_scales is not None:
+            params["input_scales"] = {name: v.get_value() for name, v in self.input_scales.items()}
         return params
 
     def __call__(self, x: jax.Array, *, num_valid_tokens=None) -> tuple[jax.Array, dict]:

@@ -407,7 +407,10 @@ def _materialized(x):
 
 
 @jax.jit
-def _quantize(w: jax.Array) -> NVFP4Tensor:
+def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tensor:
+    """``w [..., N, K]`` against its own global scale ``amax / (6 * 448)`` per matrix, or against
+    ``global_scale`` (float32 ``[...]``, finite, > 0) when given: then a block whose amax exceeds
+    ``6 * 448 * global_scale`` gets the clamped scale 448 and its codes saturate at +-6."""
     # Everything on float32 bits (uint32): maxima of magnitudes are integer maxima, the three
     # quotients and two products are _divide_bits and _multiply_bits, the E2M1 thresholds are
     # integer comparisons.
@@ -417,8 +420,11 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
     magnitude = (bits & _u32(0x7FFFFFFF)).reshape(*lead, n, k // BLOCK, BLOCK)
     negative = (bits >> 31).reshape(*lead, n, k // BLOCK, BLOCK)
     block_amax = _materialized(jnp.max(magnitude, axis=-1))
-    amax = jnp.max(block_amax, axis=(-2, -1))
-    global_bits = _divide_bits(amax, _f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
+    if global_scale is None:
+        amax = jnp.max(block_amax, axis=(-2, -1))
+        global_bits = _divide_bits(amax, _f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
+    else:
+        global_bits = _f32_bits(global_scale)
     six_global = _multiply_bits(global_bits, _f32_bits(jnp.float32(E2M1_MAX)))
     ratio = _divide_bits(block_amax, _materialized(_divisor(six_global[..., None, None])))
     # A zero matrix makes ratio 0/0; ModelOpt leaves that NaN, which would poison the scale.
@@ -446,21 +452,46 @@ def _quantize(w: jax.Array) -> NVFP4Tensor:
     )
 
 
-def quantize_rows(x_mk: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def quantize_rows(x_mk: jax.Array, global_scale_m: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Activations ``[M, K]`` to NVFP4 with one global scale per row, for W4A4 kernels.
 
-    Each row is quantized as :func:`quantize` quantizes a matrix (``global = amax(|row|) / 2688``,
-    the same exact integer arithmetic), so a row's codes depend on that row alone: one token's
-    magnitude (or a non-finite value) cannot change how another is rounded, which a per-tensor
-    scale would. An all-zero row (padding) gets zero codes, block scales 1 and a global scale 0.
+    Dynamic (``global_scale_m`` None): each row is quantized as :func:`quantize` quantizes a
+    matrix (``global = amax(|row|) / 2688``, the same exact integer arithmetic), so a row's codes
+    depend on that row alone: one token's magnitude (or a non-finite value) cannot change how
+    another is rounded, which a per-tensor scale would. An all-zero row (padding) gets zero
+    codes, block scales 1 and a global scale 0.
+
+    Static (``global_scale_m`` float32 ``[M]``, finite, > 0): each row against its given global
+    scale, as TensorRT-LLM and vLLM quantize W4A4 activations against a checkpoint's calibrated
+    ``input_scale`` (a per-expert scale is a per-row one, rows being sorted by expert):
+    ``block = e4m3(clamp(block_amax / (6 * global), 2**-9, 448))`` (a zero block: 1.0),
+    ``code = e2m1_rne(x / (block * global))`` saturating at +-6, with the same exact arithmetic
+    as the dynamic case. A row whose amax exceeds the calibrated ``6 * 448 * global`` is
+    clipped there. A block below ``2**-9 * 6 * global`` gets the smallest scale, ``2**-9``, and
+    keeps real codes (the clamp of :func:`quantize`); an unclamped E4M3 cast would store scale 0
+    below ``2**-10 * 6 * global``, and such a block would read as zeros.
 
     Returns:
-      ``(packed uint8 [M, K/2], scales float8_e4m3fn [M, K/16], global_scale float32 [M])``.
+      ``(packed uint8 [M, K/2], scales float8_e4m3fn [M, K/16], global_scale float32 [M])``:
+      the global scales computed, or those given.
+
+    Raises:
+      ValueError: ``x_mk`` not ``[M, K]`` with K a multiple of 16, or ``global_scale_m`` not
+        float32 ``[M]`` or (when concrete) not finite and positive.
     """
     if x_mk.ndim != 2 or x_mk.shape[1] % BLOCK:
         raise ValueError(f"x_mk: shape {tuple(x_mk.shape)}, expected [M, K] with K a multiple of {BLOCK}")
-    t = _quantize(x_mk.astype(jnp.float32)[:, None, :])
     m, k = x_mk.shape
+    if global_scale_m is not None:
+        if getattr(global_scale_m, "dtype", None) != jnp.float32 or tuple(global_scale_m.shape) != (m,):
+            dtype = getattr(global_scale_m, "dtype", type(global_scale_m).__name__)
+            found = f"{dtype} {tuple(jnp.shape(global_scale_m))}"
+            raise ValueError(f"global_scale_m: {found}, expected float32 ({m},), one per row of x_mk")
+        if not isinstance(global_scale_m, jax.core.Tracer):
+            bad = int(m - jnp.count_nonzero(jnp.isfinite(global_scale_m) & (global_scale_m > 0)))
+            if bad:
+                raise ValueError(f"global_scale_m: {bad} of {m} not finite and > 0, expected finite positive scales")
+    t = _quantize(x_mk.astype(jnp.float32)[:, None, :], global_scale_m)
     return t.packed.reshape(m, k // 2), t.scales.reshape(m, k // BLOCK), t.global_scale
 
 

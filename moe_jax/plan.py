@@ -44,6 +44,7 @@ class Plan:
     config: MoEConfig
     target: Target
     decisions: tuple[Decision, ...]
+    activations: str  # what the routed experts multiply their weights with (moe_jax.experts.activations_report)
     mesh: Mesh | AbstractMesh | None = None
 
     def chosen(self, stage: str) -> str:
@@ -75,7 +76,8 @@ class Plan:
             f"expert intermediate {cfg.expert_intermediate_size}, {weights}\n"
             f"  target: {self.target.describe()}"
         )
-        return "\n".join([head, *(line for d in self.decisions for line in d.lines())])
+        decisions = (line for d in self.decisions for line in d.lines())
+        return "\n".join([head, *decisions, f"  activations: {self.activations}"])
 
     def __str__(self) -> str:
         return self.report

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from moe_jax.auto import AUTO
 from moe_jax.config import MoEConfig
-from moe_jax.plan import Decision, Plan
+from moe_jax.plan import EXPERT_GEMM_STAGE, Decision, Plan
 from moe_jax.registry import Registry, Target
 
 # device_kind -> compute capability, for devices that do not report one (abstract devices
@@ -174,10 +174,14 @@ def resolve(
       ResolutionError: a name no registry holds, an explicit choice that cannot run (with its
         reason), ``auto`` finding nothing, or a mesh that does not fit the config.
     """
+    from moe_jax.experts import activations_report  # noqa: PLC0415 (loaded with the registries)
+
     registries = stages()
     for registry in registries:
         _check_registered(registry, getattr(config, registry.stage))
     target = target_for(devices_or_mesh, config, training=training, tokens_per_device=tokens_per_device)
     decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in registries)
+    expert_gemm = next(d.chosen for d in decisions if d.stage == EXPERT_GEMM_STAGE)
     mesh = devices_or_mesh if isinstance(devices_or_mesh, (Mesh, AbstractMesh)) else None
-    return Plan(config=config, target=target, decisions=decisions, mesh=mesh)
+    return Plan(config=config, target=target, decisions=decisions, mesh=mesh,
+                activations=activations_report(config, target, expert_gemm))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
-from moe_jax.config import ActivationDtype, Scoring, WeightFormat
+from moe_jax.config import ActivationDtype, ActivationScale, ReferenceActivations, Scoring, WeightFormat
 
 SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
 
@@ -61,6 +61,9 @@ def test_frozen_keyword_only_and_hashable_as_a_static_jit_argument():
         (dict(weight_format="int4"), "weight_format", "one of 'bf16', 'nvfp4'"),
         (dict(weight_format="nvfp4", hidden_size=40), "hidden_size", "multiple of 16 for NVFP4"),
         (dict(dtype="float16"), "dtype", "one of 'bfloat16', 'float32'"),
+        (dict(activation_scale="static"), "activation_scale", "one of 'auto', 'checkpoint', 'dynamic'"),
+        (dict(reference_activations="fp8"), "reference_activations", "one of 'bf16', 'nvfp4'"),
+        (dict(reference_activations="nvfp4"), "reference_activations", "needs weight_format='nvfp4' \\(found 'bf16'\\)"),
         (dict(expert_gemm=""), "expert_gemm", "must be a non-empty string: 'auto' or a registered name"),
         (dict(exchange=None), "exchange", "must be a non-empty string: 'auto' or a registered name"),
         (dict(expert_axis=""), "expert_axis", "non-empty mesh axis name"),
@@ -104,3 +107,7 @@ def test_literal_fields_list_their_values():
     assert typing.get_args(Scoring) == ("softmax", "sigmoid")
     assert typing.get_args(WeightFormat) == ("bf16", "nvfp4")
     assert typing.get_args(ActivationDtype) == ("bfloat16", "float32")
+    assert typing.get_args(ActivationScale) == ("auto", "checkpoint", "dynamic")
+    assert typing.get_args(ReferenceActivations) == ("bf16", "nvfp4")
+    defaults = MoEConfig(**SMALL)
+    assert (defaults.activation_scale, defaults.reference_activations) == ("auto", "bf16")

@@ -138,3 +138,23 @@ def test_the_chosen_line_says_why_the_preferred_implementation_is_not_what_runs(
     line = next(line for line in plan.report.splitlines() if line.strip().startswith("expert_gemm: pallas"))
     assert "auto: 'triton' cannot run (jax-triton is not installed" in line, line
     assert "next in the order (NVFP4 inference: SM120" in line, line
+
+
+@pytest.mark.parametrize("kind, expert_gemm, expected", [
+    (RTX_PRO_6000, "triton", "NVFP4 per row, global scale from the checkpoint's static input_scale of each expert "
+                             "where the params carry them (gate/up: the larger), else dynamic per row "
+                             "(activation_scale='auto'; W4A4 on the FP4 tensor cores of SM120)"),
+    ("NVIDIA B200", "triton", "(activation_scale='auto'; W4A4 on the FP4 tensor cores of SM100)"),
+    ("NVIDIA H200", "triton", "bfloat16, not quantized (W4A16: triton dequantizes the weights on SM90); "
+                              "activation_scale='auto' has no effect"),
+    (RTX_PRO_6000, "pallas", "bfloat16, not quantized (W4A16: the pallas kernels dequantize the weights)"),
+])
+def test_the_report_says_where_activations_are_quantized_and_against_which_scale(kind, expert_gemm, expected):
+    if expert_gemm == "triton" and importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("the triton implementation needs jax-triton installed to resolve")
+    config = MoEConfig(**{**SMALL, "hidden_size": 64, "expert_intermediate_size": 64}, weight_format="nvfp4",
+                       expert_gemm=expert_gemm)
+    line = resolve(config, abstract_mesh(kind)).report.splitlines()[-1]
+    assert line.startswith("  activations: ") and expected in line, line
+    bf16 = resolve(MoEConfig(**SMALL, activation_scale="checkpoint")).report.splitlines()[-1]
+    assert bf16 == "  activations: bfloat16, not quantized (bf16 weights); activation_scale='checkpoint' has no effect"

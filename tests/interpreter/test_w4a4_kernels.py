@@ -59,9 +59,11 @@ def random_weights(rng, experts: int, n_w: int, k: int, scale_groups: int, used=
 
 
 def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, group_sizes: np.ndarray, *,
-                    cc: int, variant: Variant | None = None):
-    """The kernel on ``x_mk`` (float32, quantized per row first, as the layer does); returns
-    (bf16 output as float64 with NaN where unwritten, the quantized rows as float64)."""
+                    cc: int, variant: Variant | None = None, input_scale_e: np.ndarray | None = None):
+    """The kernel on ``x_mk`` (float32, quantized per row first, as the layer does: against each
+    row's expert's static ``input_scale_e`` float32 ``[E]`` when given, padding rows the last
+    expert's, else dynamically); returns (bf16 output as float64 with NaN where unwritten, the
+    quantized rows as float64)."""
     m, k = x_mk.shape
     experts, n_w = packed.shape[:2]
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
@@ -69,7 +71,12 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     tile = None if variant is None else native.NATIVE_TILES[cc][(variant, op)]
     spec = native.make_spec(op, native.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                             scale_groups=groups, compute_capability=cc, tile=tile)
-    x_packed, x_scales, x_global = (np.asarray(a) for a in nvfp4.quantize_rows(jnp.asarray(x_mk)))
+    global_m = None
+    if input_scale_e is not None:
+        global_m = jnp.asarray(np.repeat(input_scale_e, group_sizes)[np.minimum(np.arange(m), group_sizes.sum() - 1)])
+    x_packed, x_scales, x_global = (np.asarray(a) for a in nvfp4.quantize_rows(jnp.asarray(x_mk), global_m))
+    if input_scale_e is not None:
+        np.testing.assert_array_equal(x_global, global_m)
     schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m,
                                             block_m=spec.tile.block_m, num_tiles=spec.max_tiles)
     interpreted.reset()
@@ -106,7 +113,7 @@ def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.nda
 
 
 def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, experts=None, used=None, seed=0,
-          padding=3):
+          padding=3, input_scale_e=None):
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes)
     experts = experts or len(group_sizes)
@@ -114,7 +121,8 @@ def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, expert
     packed, scales, global_scale = random_weights(rng, experts, n_w, k, scale_groups, used)
     total = int(group_sizes.sum())
     x = rng.standard_normal((total + padding, k)).astype(np.float32)
-    got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant)
+    got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant,
+                                      input_scale_e=input_scale_e)
     want = reference(op, a_mk, packed, scales, global_scale, group_sizes)
     assert np.isnan(got[total:]).all(), "padding rows were written"
     assert np.isfinite(got[:total]).all(), f"{np.count_nonzero(~np.isfinite(got[:total]))} outputs not written"
@@ -167,3 +175,16 @@ def test_kimi_k2_down_at_its_highest_experts():
     sizes = np.zeros(384, np.int64)
     sizes[[0, 292, 293, 383]] = [2, 1, 3, 2]
     check(Op.MATMUL, sizes, cc=120, k=2048, n_out=7168, experts=384, used=(0, 292, 293, 383), padding=1)
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_activations_quantized_against_a_static_input_scale_per_expert(cc, op):
+    """A checkpoint's calibrated ``input_scale`` per expert (``MoEConfig.activation_scale``): the
+    rows' global scales differ by expert, one expert's 4x too small (its rows saturate), and
+    the kernel must apply each row's."""
+    rng = np.random.default_rng(7)
+    group_sizes = np.array([9, 0, 21, 6, 13])
+    input_scale_e = (rng.uniform(0.5, 2.0, len(group_sizes)) * 4.5 / (6 * 448)).astype(np.float32)
+    input_scale_e[3] /= 4
+    check(op, group_sizes, cc=cc, k=512, n_out=128, input_scale_e=input_scale_e)

@@ -3,13 +3,15 @@
   moe-jax demo                      reduced Kimi-shaped NVFP4 layer on whatever devices exist
   moe-jax explain --preset kimi_k2  what would run here, and why the rest would not
   moe-jax explain --preset kimi_k2 --device-kind "NVIDIA RTX PRO 6000 Blackwell Workstation Edition" --ep 4
-  moe-jax selftest                  every implementation that can run here, against float64 (exit 1 on failure)
+  moe-jax selftest                  every implementation that can run here, stage and whole layer, against
+                                    float64 (exit 1 on failure); --json for a bug report
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -200,26 +202,20 @@ def demo(args) -> int:
 def selftest(args) -> int:
     from moe_jax import selftest as checks  # noqa: PLC0415 (loads the kernels)
 
-    total = sum(1 for _ in checks.EXPERT_GEMM.names()) * (3 if args.full else 2)
-    with _bar("selftest", total) as bar:
-        def progress(label):
+    with _bar("selftest", None) as bar:
+        def progress(label, total):
+            bar.total = total
             bar.set_postfix_str(label)
             bar.update()
-        results, header = checks.run(full=args.full, seed=args.seed, progress=progress)
-    text = f"{header}\n\n{checks.table(results)}\n"
+        report = checks.run(full=args.full, seed=args.seed, progress=progress)
+    # With --json, stdout is the one JSON document; the verdict goes to stderr.
+    text = json.dumps(report.document(), indent=1) if args.json else f"{report.text()}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    failed = [r for r in results if not r.passed]
-    if not results:
-        print("FAILED: no implementation could run here")
-        return 1
-    if failed:
-        print(f"FAILED: {len(failed)} of {len(results)} checks")
-        return 1
-    print(f"all {len(results)} checks passed")
-    return 0
+    print(report.summary(), file=sys.stderr if args.json else sys.stdout)
+    return 0 if report.passed else 1
 
 
 def main(argv=None) -> int:
@@ -250,11 +246,17 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory-gb", type=positive_float, help="the target's memory, where its kind is not known")
     p.set_defaults(run=explain, parser=p)
 
-    p = sub.add_parser("selftest", help="check every implementation that can run here against float64")
-    p.add_argument("--no-full", dest="full", action="store_false",
-                   help="skip the full Kimi K2 size (384 experts; ~10 GB of NVFP4 weights on the device)")
+    p = sub.add_parser("selftest", help="check every implementation that can run here, stage and whole layer, "
+                                         "against float64")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--full", dest="full", action="store_const", const=True, default=None,
+                      help="run the full Kimi K2 size (384 experts; ~10 GB of NVFP4 weights on the device) also on "
+                           "a CPU (default: on accelerators only)")
+    size.add_argument("--quick", "--no-full", dest="full", action="store_const", const=False,
+                      help="skip the full Kimi K2 size")
     p.add_argument("--seed", type=int, help="random seed (default: fresh; printed in the header)")
-    p.add_argument("--out", help="also write the table (markdown) to this file")
+    p.add_argument("--json", action="store_true", help="print one JSON document (header and results) instead")
+    p.add_argument("--out", help="also write what is printed (markdown, or JSON with --json) to this file")
     p.set_defaults(run=selftest, parser=p)
 
     args = parser.parse_args(argv)

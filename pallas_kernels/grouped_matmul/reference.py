@@ -37,11 +37,22 @@ def dequantize(packed_enj, scales_enb, global_scale) -> np.ndarray:
     return (values.reshape(e, n, k // BLOCK, BLOCK) * scales[..., None]).reshape(e, n, k)
 
 
-def dense_weights(w) -> np.ndarray:
-    """A bf16 ``[E, N, K]`` array, or any object with ``.packed/.scales/.global_scale``, as float64."""
+def expert_weight(w, e: int) -> np.ndarray:
+    """Expert ``e`` of a bf16 ``[E, N, K]`` array, or of any object with
+    ``.packed/.scales/.global_scale``, as float64 ``[N, K]``. Only that expert is read (and
+    copied from a device): at Kimi K2's size all experts in float64 would be tens of GB."""
     if hasattr(w, "packed"):
-        return dequantize(w.packed, w.scales, w.global_scale)
-    return np.asarray(w).astype(np.float64)
+        return dequantize(np.asarray(w.packed[e:e + 1]), np.asarray(w.scales[e:e + 1]),
+                          np.asarray(w.global_scale[e:e + 1]))[0]
+    return np.asarray(w[e]).astype(np.float64)
+
+
+def _shape(w) -> tuple[int, int, int]:
+    """``(E, N, K)`` of a bf16 weight or an NVFP4 one (two codes per byte)."""
+    if hasattr(w, "packed"):
+        e, n, half_k = w.packed.shape
+        return e, n, 2 * half_k
+    return tuple(w.shape)
 
 
 def valid_rows(group_sizes_e, num_rows: int) -> int:
@@ -51,8 +62,7 @@ def valid_rows(group_sizes_e, num_rows: int) -> int:
 
 def grouped_matmul(x_mk, w, group_sizes_e) -> np.ndarray:
     """float64 ``[S, N]``: row ``m`` of expert ``e`` times ``W_e^T``, for the ``S`` defined rows."""
-    w_enk = dense_weights(w)
-    return _per_expert_rows(x_mk, group_sizes_e, w_enk.shape[1], lambda rows, e: rows @ w_enk[e].T)
+    return _per_expert_rows(x_mk, group_sizes_e, _shape(w)[1], lambda rows, e: rows @ expert_weight(w, e).T)
 
 
 def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e) -> np.ndarray:
@@ -73,8 +83,7 @@ def _groups(group_sizes_e, rows: int):
 
 def grouped_matmul_input_grad(dy_mn, w, group_sizes_e) -> np.ndarray:
     """float64 ``[S, K]``: row ``m`` of expert ``e`` times ``W_e`` (the gradient with respect to x)."""
-    w_enk = dense_weights(w)
-    return _per_expert_rows(dy_mn, group_sizes_e, w_enk.shape[2], lambda rows, e: rows @ w_enk[e])
+    return _per_expert_rows(dy_mn, group_sizes_e, _shape(w)[2], lambda rows, e: rows @ expert_weight(w, e))
 
 
 def _per_expert_rows(a_mc, group_sizes_e, out_columns: int, product) -> np.ndarray:
@@ -83,7 +92,8 @@ def _per_expert_rows(a_mc, group_sizes_e, out_columns: int, product) -> np.ndarr
     rows = valid_rows(group_sizes_e, a.shape[0])
     out = np.zeros((rows, out_columns))
     for e, start, end in _groups(group_sizes_e, rows):
-        out[start:end] = product(a[start:end], e)
+        if end > start:  # an expert without rows is never read
+            out[start:end] = product(a[start:end], e)
     return out
 
 

@@ -140,19 +140,6 @@ def dense(w) -> np.ndarray:
     return np.asarray(jax.device_get(w)).astype(np.float64)
 
 
-# The expert index traced, so one compilation serves every expert.
-_take = jax.jit(lambda a, e: a[e])
-
-
-def expert(w, e: int) -> np.ndarray:
-    """Expert ``e`` of a stacked ``[E, N, K]`` weight as float64 ``[N, K]``; only that expert
-    leaves the device (Kimi K2's 384 would be 45 GB in float64)."""
-    if isinstance(w, nvfp4.NVFP4Tensor):
-        return dense(nvfp4.NVFP4Tensor(packed=_take(w.packed, e), scales=_take(w.scales, e),
-                                       global_scale=_take(w.global_scale, e)))
-    return dense(_take(w, e))
-
-
 def layer(params: dict, x_th: np.ndarray, config: MoEConfig, *,
           w4a4: tuple[bool, ...] = (False,)) -> tuple[dict[bool, np.ndarray], Routing]:
     """The layer ``y = sum_k w_k expert_k(x) + shared(x)`` in float64.
@@ -177,7 +164,8 @@ def layer(params: dict, x_th: np.ndarray, config: MoEConfig, *,
     experts = params["experts"]
     for e in np.unique(routing.ids_tk).tolist():
         t, slot = np.nonzero(routing.ids_tk == e)  # a token chooses an expert at most once
-        w_gate_up_gh, w_down_hf = expert(experts["w_gate_up_egh"], e), expert(experts["w_down_ehf"], e)
+        w_gate_up_gh = reference.expert_weight(experts["w_gate_up_egh"], e)
+        w_down_hf = reference.expert_weight(experts["w_down_ehf"], e)
         for mode in w4a4:
             y_th[mode][t] += routing.weights_tk[t, slot, None] * expert_mlp(x_th[t], w_gate_up_gh, w_down_hf, w4a4=mode)
     if "shared" in params:

@@ -51,6 +51,7 @@ from moe_jax.exchange import EXCHANGE
 from moe_jax.experts import EXPERT_GEMM
 from moe_jax.layer import moe_forward, random_params, shard_params
 from moe_jax.resolve import ResolutionError, resolve, target_for
+from pallas_kernels.grouped_matmul import reference
 
 #: Relative Frobenius error allowed against the float64 reference. bf16 output rounding alone is
 #: ~3e-3; W4A4 adds the rounding of the SwiGLU output, which the reference quantizes from its own
@@ -179,8 +180,8 @@ def check(name: str, shape: Shape, fmt: str, weights: dict, device, rng: np.rand
     x64 = np.asarray(jax.device_get(x.astype(jnp.float32)), np.float64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     ref = np.concatenate([
-        float64_reference.expert_mlp(x64[starts[e]:starts[e + 1]], float64_reference.expert(weights["w_gate_up_egh"], e),
-                                     float64_reference.expert(weights["w_down_ehf"], e), w4a4=mode == "w4a4")
+        float64_reference.expert_mlp(x64[starts[e]:starts[e + 1]], reference.expert_weight(weights["w_gate_up_egh"], e),
+                                     reference.expert_weight(weights["w_down_ehf"], e), w4a4=mode == "w4a4")
         for e in shape.checked_experts])
     result.error = _relative_error(np.concatenate([y64[starts[e]:starts[e + 1]] for e in shape.checked_experts]), ref)
     return result

@@ -7,6 +7,7 @@ Shapes follow the kernels': ``x_mk [M, K]``, weights ``[E, N, K]`` (out, in), ``
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 #: The value of each E2M1 code 0..15; bit 3 is the sign.
@@ -37,14 +38,21 @@ def dequantize(packed_enj, scales_enb, global_scale) -> np.ndarray:
     return (values.reshape(e, n, k // BLOCK, BLOCK) * scales[..., None]).reshape(e, n, k)
 
 
+# The expert index traced, so that one compilation serves every expert of a device array.
+_take = jax.jit(lambda a, e: a[e])
+
+
+def _entry(a, e: int) -> np.ndarray:
+    return np.asarray(_take(a, e)) if isinstance(a, jax.Array) else np.asarray(a[e])
+
+
 def expert_weight(w, e: int) -> np.ndarray:
     """Expert ``e`` of a bf16 ``[E, N, K]`` array, or of any object with
     ``.packed/.scales/.global_scale``, as float64 ``[N, K]``. Only that expert is read (and
     copied from a device): at Kimi K2's size all experts in float64 would be tens of GB."""
     if hasattr(w, "packed"):
-        return dequantize(np.asarray(w.packed[e:e + 1]), np.asarray(w.scales[e:e + 1]),
-                          np.asarray(w.global_scale[e:e + 1]))[0]
-    return np.asarray(w[e]).astype(np.float64)
+        return dequantize(_entry(w.packed, e)[None], _entry(w.scales, e)[None], _entry(w.global_scale, e)[None])[0]
+    return _entry(w, e).astype(np.float64)
 
 
 def _shape(w) -> tuple[int, int, int]:

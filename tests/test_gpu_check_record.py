@@ -1,10 +1,12 @@
 """tools/gpu_check_record.py: the GPU check's record lists every test with its outcome, and its
 verdict fails on a failed test, an unfinished pass or a failed demo (hand-written junit XML)."""
 
+import dataclasses
 import importlib.util
 import pathlib
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -127,3 +129,48 @@ def test_command_line_writes_the_record_and_exits_non_zero_on_failure(tmp_path):
     good = subprocess.run(base + ["--pass", "1 GPU|0|9|good.xml|pytest_1gpu.txt|pytest"], capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert good.stdout.strip().startswith("all 2 tests passed")
+
+
+def _split(xml, keep):
+    """The junit XML with only the test cases whose name holds one of ``keep``."""
+    root = ET.fromstring(xml)
+    for suite in root.iter("testsuite"):
+        for case in list(suite):
+            if not any(k in case.get("name", "") for k in keep):
+                suite.remove(case)
+    return ET.tostring(root, encoding="unicode")
+
+
+COLLECTED = ["tests/pallas_kernels/test_kimi_size_gpu.py::test_kimi_size[nvfp4-down]",
+             "tests/test_layer.py::test_gradients_match_a_dense_formulation",
+             "tests/test_expert_parallel_gpu.py::TestSomething::test_exchange[4-ragged-bf16]"]
+
+
+def test_a_cut_off_call_continued_by_a_second_passes_only_when_together_they_ran_everything():
+    first = _split(PASSING, ["test_kimi_size", "test_exchange"])
+    assert record.remaining(COLLECTED, record.parse_junit(first)) == [COLLECTED[1]]
+    earlier = dataclasses.replace(_pass(first, rc=124, label="1 GPU, first call"), earlier=True)
+    second = _pass(_split(PASSING, ["test_gradients"]), rc=0, label="1 GPU, second call")
+    text, ok = record.render(commit="abc", dirty="0", date="d", command="c", device_text="gpu: 0, H200, 1, 1\njax_gpu_count: 1",
+                             demo_text="", demo_rc=0, passes=[earlier, second], collected=COLLECTED)
+    assert ok, text.splitlines()[-1]
+    assert text.splitlines()[-1].startswith("all 2 tests passed (1 GPU, first call: 1, 1 GPU, second call: 1)")
+    # Without the second call, or without the list it must cover, the cut-off call fails.
+    for passes, collected, why in (([earlier], COLLECTED, "1 collected tests ran in no call "
+                                     "(tests/test_layer.py::test_gradients_match_a_dense_formulation)"),
+                                    ([earlier, second], None, "an earlier call's pass is included, but not the "
+                                     "collected tests it must cover")):
+        line, ok = record.verdict(passes, 0, 1, collected)
+        assert not ok and why in line
+    # A failure in the first call is not excused by the second.
+    failed_first = dataclasses.replace(_pass(_split(JUNIT, ["test_gradients", "test_exchange"]), rc=124), earlier=True)
+    line, ok = record.verdict([failed_first, _pass(_split(PASSING, ["test_kimi"]), rc=0)], 0, 1, COLLECTED)
+    assert not ok and "1 failed" in line
+
+
+def test_remaining_on_the_command_line(tmp_path):
+    (tmp_path / "ids.txt").write_text("\n".join(COLLECTED) + "\n")
+    (tmp_path / "a.xml").write_text(_split(PASSING, ["test_kimi_size"]))
+    out = subprocess.run([sys.executable, str(TOOL), "--remaining", str(tmp_path / "ids.txt"), str(tmp_path / "a.xml")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == COLLECTED[1:]

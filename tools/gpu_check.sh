@@ -31,6 +31,11 @@
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
 #   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed
 #   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
+#   GPU_CHECK_CONTINUE=DIR         finish a pass 1 that an earlier call at the same code left unfinished
+#                                  (its time limit cut it off): DIR is that call's output folder (carry it
+#                                  to the device machine). Pass 1 then runs only the tests of its
+#                                  selection that DIR's junit XML lacks; the record holds both calls and
+#                                  passes only if together they ran every collected test and all passed.
 #   PYTHON=python3                 the interpreter
 set -uo pipefail
 
@@ -141,7 +146,9 @@ run_pass() {
   if [[ $(wc -c < "$out/pytest_$name.txt") -gt 8000000 ]]; then
     tail -c 8000000 "$out/pytest_$name.txt" > "$out/pytest_$name.tmp" && mv "$out/pytest_$name.tmp" "$out/pytest_$name.txt"
   fi
-  record_args+=(--pass "$label|$rc|$(( $(date +%s) - t0 ))|pytest_$name.xml|pytest_$name.txt|${envs[*]} $PY -m pytest ${pytest_opts[*]} --junitxml=pytest_$name.xml $*")
+  local spec="$label|$rc|$(( $(date +%s) - t0 ))|pytest_$name.xml|pytest_$name.txt|${envs[*]} $PY -m pytest ${pytest_opts[*]} --junitxml=pytest_$name.xml $*"
+  printf '%s\n' "$spec" > "$out/pass_$name.spec"  # what a GPU_CHECK_CONTINUE call reads back
+  record_args+=(--pass "$spec")
 }
 
 # Pass 1: the unmarked suites that run on the default backend and matter on a GPU, plus every
@@ -155,7 +162,30 @@ else
   pass1="$(echo $PASS1_SUITES $marked | tr ' ' '\n' | awk 'NF && !seen[$0]++' | tr '\n' ' ')"
 fi
 passes="${GPU_CHECK_PASSES:-1 2}"
-if [[ " $passes " == *" 1 "* ]]; then
+if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
+  prev="$(cd "$GPU_CHECK_CONTINUE" && pwd)" || exit 2
+  commit1="$(sed -n 's/^- commit: `\([^`]*\)`.*/\1/p' "$prev/gpu_check.md" 2>/dev/null | head -1)"
+  if [[ -z "$commit1" || ! -s "$prev/pass_1gpu.spec" || ! -s "$prev/pytest_1gpu.xml" ]]; then
+    echo "GPU_CHECK_CONTINUE=$GPU_CHECK_CONTINUE: expected an earlier call's output" \
+      "(gpu_check.md, pass_1gpu.spec, pytest_1gpu.xml)" >&2
+    exit 2
+  fi
+  # Its commit goes into the record: the two commits must not differ in code (the device copy has
+  # no git to check that; whoever commits the record does).
+  for f in pytest_1gpu.xml pytest_1gpu.txt; do cp "$prev/$f" "$out/call1_$f"; done
+  IFS='|' read -r label1 rc1 s1 _ _ cmd1 < "$prev/pass_1gpu.spec"
+  record_args+=(--earlier-pass "$label1, first call (commit $commit1)|$rc1|$s1|call1_pytest_1gpu.xml|call1_pytest_1gpu.txt|$cmd1")
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -p no:cacheprovider -q --collect-only $pass1 2>/dev/null \
+    | grep '::' > "$out/pass1_collected.txt"
+  record_args+=(--collected pass1_collected.txt)
+  mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml")
+  echo "== continuing pass 1 of $prev: ${#pass1_left[@]} of $(wc -l < "$out/pass1_collected.txt") collected tests left"
+  if (( ${#pass1_left[@]} )); then
+    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \
+      CUDA_VISIBLE_DEVICES=0 -- "${pass1_left[@]}"
+  fi
+elif [[ " $passes " == *" 1 "* ]]; then
   # shellcheck disable=SC2086  # word splitting of the selections is intended
   run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \
     CUDA_VISIBLE_DEVICES=0 -- $pass1

@@ -12,7 +12,14 @@ Usage (the shell script calls it; by hand for a record already on disk)::
 
     python3 tools/gpu_check_record.py OUT --commit SHA [--dirty 1|0|unknown] --command CMD \\
         --demo-rc RC --pass "LABEL|RC|SECONDS|pytest_1gpu.xml|pytest_1gpu.txt|PYTEST COMMAND" \\
-        [--pass ...] [--not-run "LABEL|REASON"] [--date ISO] [--seconds TOTAL]
+        [--pass ...] [--not-run "LABEL|REASON"] [--date ISO] [--seconds TOTAL] \\
+        [--earlier-pass SPEC --collected FILE]
+
+A pass that one device call could not hold is finished by a second call at the same code
+(``GPU_CHECK_CONTINUE``): the earlier call's cut-off pass comes in as ``--earlier-pass`` and
+the collected test ids as ``--collected``; the record passes only if the calls together ran
+every collected test and none failed. ``--remaining COLLECTED XML`` prints the collected ids
+that XML lacks (what the second call runs).
 
 Importable: :func:`parse_junit` and :func:`render` are what the tests exercise.
 """
@@ -54,6 +61,7 @@ class PassResult:
     command: str
     tests: tuple[TestResult, ...] | None  # None: no junit XML was written (killed, crashed)
     log_tail: str = ""  # the end of the pytest log, shown when the pass did not finish cleanly
+    earlier: bool = False  # from an earlier call that a later one continues (GPU_CHECK_CONTINUE)
 
     def counts(self) -> collections.Counter:
         return collections.Counter(t.outcome for t in self.tests or ())
@@ -71,7 +79,10 @@ class PassResult:
                 out.append(f"{self.label}: {counts[ERROR]} errors")
             if not self.tests:
                 out.append(f"{self.label}: no tests ran")
-            if self.rc != 0 and not (counts[FAILED] or counts[ERROR]):
+            # An earlier call cut off by its time limit: the verdict checks that the later call
+            # ran every test it did not reach.
+            cut_off = self.earlier and self.rc == 124
+            if self.rc != 0 and not (counts[FAILED] or counts[ERROR]) and not cut_off:
                 out.append(f"{self.label}: pytest exited with rc {self.rc}{_rc_meaning(self.rc)}")
         return out
 
@@ -149,10 +160,25 @@ def _skip_summary(passes: list[PassResult]) -> str:
     return "; ".join(f"{reason}: {count}" for reason, count in reasons.most_common())
 
 
-def verdict(passes: list[PassResult], demo_rc: int | None, gpus: int | None = None) -> tuple[str, bool]:
-    """One line, and whether everything passed (``gpus``: how many GPUs JAX saw, if known)."""
+def remaining(collected: list[str], tests: tuple[TestResult, ...]) -> list[str]:
+    """The collected test ids that ``tests`` holds no result for, in collection order."""
+    done = {t.test_id for t in tests}
+    return [test_id for test_id in collected if test_id not in done]
+
+
+def verdict(passes: list[PassResult], demo_rc: int | None, gpus: int | None = None,
+            collected: list[str] | None = None) -> tuple[str, bool]:
+    """One line, and whether everything passed (``gpus``: how many GPUs JAX saw, if known;
+    ``collected``: every test id the passes together must hold, when one call continues another)."""
     problems = ["JAX sees no GPU, so no GPU test ran"] if gpus == 0 else []
     problems += [problem for p in passes for problem in p.problems()]
+    if any(p.earlier for p in passes) and collected is None:
+        problems.append("an earlier call's pass is included, but not the collected tests it must cover")
+    if collected is not None:
+        missing = remaining(collected, tuple(t for p in passes for t in p.tests or ()))
+        if missing:
+            problems.append(f"{len(missing)} collected tests ran in no call ({', '.join(missing[:3])}"
+                            f"{', ...' if len(missing) > 3 else ''})")
     if demo_rc is None:
         problems.append("the demo did not run")
     elif demo_rc != 0:
@@ -197,10 +223,10 @@ def _summarize_device(device_text: str) -> tuple[str, str, int | None]:
 
 def render(*, commit: str, dirty: str, date: str, command: str, device_text: str, demo_text: str | None,
            demo_rc: int | None, passes: list[PassResult], not_run: list[NotRun] = (),
-           seconds: float | None = None) -> tuple[str, bool]:
+           seconds: float | None = None, collected: list[str] | None = None) -> tuple[str, bool]:
     """The markdown record and whether everything passed."""
     device_line, versions, gpus = _summarize_device(device_text)
-    line, ok = verdict(passes, demo_rc, gpus)
+    line, ok = verdict(passes, demo_rc, gpus, collected)
     dirty_note = {"0": "clean", "1": "with uncommitted changes"}.get(dirty, "uncommitted changes unknown")
     device = [row for row in device_text.splitlines() if row.strip()]
     out = [
@@ -213,7 +239,11 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
         f"- command: `{command}`",
     ]
     if seconds is not None:
-        out.append(f"- wall time: {seconds:.0f} s")
+        out.append(f"- wall time: {seconds:.0f} s" + " (this call)" * any(p.earlier for p in passes))
+    if collected is not None:
+        first = ", ".join(p.label for p in passes if p.earlier)
+        out.append(f"- continues an earlier call ({first}) whose pass was cut off by its time limit: this call "
+                   f"ran the tests it did not reach ({len(collected)} collected in all)")
     out += ["", "## Device and versions", "", "```", *device, "```", "", "## moe-jax demo (no flags, one GPU)", ""]
     if demo_rc is None:
         out.append("not run")
@@ -268,6 +298,14 @@ def load_pass(out_dir: str, spec: str) -> PassResult:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--remaining"]:
+        if len(argv) != 3:
+            print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML", file=sys.stderr)
+            return 2
+        collected = (_read(argv[1]) or "").split("\n")
+        print("\n".join(remaining([c.strip() for c in collected if c.strip()], parse_junit(argv[2]))))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--commit", default="unknown")
@@ -277,6 +315,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="wall time of the whole check")
     parser.add_argument("--demo-rc", type=int, default=None, help="the demo's exit status (omit: not run)")
     parser.add_argument("--pass", dest="passes", action="append", default=[], metavar="LABEL|RC|S|XML|LOG|CMD")
+    parser.add_argument("--earlier-pass", dest="earlier", action="append", default=[],
+                        metavar="LABEL|RC|S|XML|LOG|CMD", help="a pass of an earlier call that this one continues")
+    parser.add_argument("--collected", default=None, help="file (in out_dir) of the test ids the passes must cover")
     parser.add_argument("--not-run", action="append", default=[], metavar="LABEL|REASON")
     parser.add_argument("--output", default="gpu_check.md", help="file name inside out_dir")
     args = parser.parse_args(argv)
@@ -285,8 +326,11 @@ def main(argv=None) -> int:
         commit=args.commit, dirty=args.dirty, date=date, command=args.command,
         device_text=_read(os.path.join(args.out_dir, "device.txt"), "(device.txt missing)"),
         demo_text=_read(os.path.join(args.out_dir, "demo.txt"), ""), demo_rc=args.demo_rc,
-        passes=[load_pass(args.out_dir, spec) for spec in args.passes],
+        passes=[dataclasses.replace(load_pass(args.out_dir, spec), earlier=True) for spec in args.earlier]
+        + [load_pass(args.out_dir, spec) for spec in args.passes],
         not_run=[NotRun(*spec.split("|", 1)) for spec in args.not_run], seconds=args.seconds,
+        collected=None if args.collected is None else
+        [line.strip() for line in (_read(os.path.join(args.out_dir, args.collected)) or "").splitlines() if line.strip()],
     )
     with open(os.path.join(args.out_dir, args.output), "w", encoding="utf-8") as f:
         f.write(text)

@@ -65,6 +65,11 @@ def test_parse_junit_reads_outcomes_reasons_messages_and_properties():
     assert (skipped.outcome, skipped.detail) == ("skipped", "needs 4 CUDA GPU(s), found 1")
 
 
+def test_an_empty_testcase_entry_is_no_test():
+    tests = record.parse_junit(PASSING.replace("</testsuite>", '<testcase time="0.001" /></testsuite>'))
+    assert [t.test_id for t in tests] == [t.test_id for t in record.parse_junit(PASSING)]
+
+
 def test_a_failed_test_makes_the_verdict_fail_and_the_table_shows_every_test():
     text, ok = _render([_pass(JUNIT, rc=1)])
     assert not ok

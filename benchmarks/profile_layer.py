@@ -1,0 +1,219 @@
+"""Where one Kimi K2 layer call spends its GPU time: every kernel, from a ``jax.profiler`` trace.
+
+The whole-layer benchmark (``benchmarks/layer.py``) gives one number per call; at decode sizes
+it is ~0.4 ms above the two expert kernels timed alone. This script splits it: it builds the
+layer at Kimi K2's real size (384 experts on one GPU) as ``layer.py`` does, times it the same
+way, then records a few calls with ``jax.profiler.trace`` (CUPTI activity records: kernels run
+as they do unprofiled, unlike under Nsight Compute) and reads the trace's GPU kernels back.
+
+Per token count it reports, per layer call: the wall time (timed, no profiler), the span of the
+call's kernels on the GPU, the time some kernel runs (the union of kernel intervals; span minus
+busy = gaps between kernels), and a table of kernels by total time with the HLO op each belongs
+to. Results: ``profile_layer.json`` and ``profile_layer.md`` in ``--out``; with ``--keep-trace``
+the raw Perfetto trace files too.
+
+Usage::
+
+    python benchmarks/profile_layer.py --out DIR [--tokens 32 256] [--format nvfp4] [--expert-gemm triton]
+        [--calls 5] [--preset kimi_k2|small]
+
+``--preset small`` (a few experts, hidden 256) runs anywhere, the CPU included, to check the
+script itself; on the CPU the trace has no GPU kernels and the tables say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import glob
+import gzip
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import moe_jax  # noqa: E402
+from benchmarks.expert_parallel import timed  # noqa: E402
+
+
+def config_for(preset: str, fmt: str, gemm: str) -> moe_jax.MoEConfig:
+    if preset == "kimi_k2":
+        return moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm)
+    return dataclasses.replace(moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm),
+                               num_experts=16, hidden_size=256, expert_intermediate_size=128, top_k=4)
+
+
+def gpu_kernels(trace: dict) -> list[dict]:
+    """The kernel events of a Chrome/Perfetto trace: ``X`` events on a GPU device's stream lines.
+
+    XLA's trace puts each GPU in a process named ``/device:GPU:N`` and gives its CUDA streams
+    thread lines named ``Stream #...``; the other lines of that process (``XLA Modules``,
+    ``XLA Ops``) summarize the same time and are left out so nothing is counted twice.
+    """
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu:
+            continue
+        line = threads.get((e["pid"], e.get("tid")), "")
+        if "stream" not in line.lower():
+            continue
+        args = e.get("args") or {}
+        out.append({"name": e.get("name", "?"), "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0)),
+                    "line": line, "hlo_op": args.get("hlo_op", ""), "hlo_module": args.get("hlo_module", "")})
+    return out
+
+
+def thread_lines(trace: dict) -> dict[str, int]:
+    """How many ``X`` events each ``process / thread`` line holds (to see the trace's layout)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    counts = collections.Counter(f"{procs.get(e.get('pid'), e.get('pid'))} / {threads.get((e.get('pid'), e.get('tid')), e.get('tid'))}"
+                                 for e in events if e.get("ph") == "X")
+    return dict(counts.most_common(30))
+
+
+def busy_us(kernels: list[dict]) -> float:
+    """Microseconds during which at least one kernel runs (the union of their intervals)."""
+    total, end = 0.0, -np.inf
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if start > end:
+            total += k["dur"]
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def summarize(kernels: list[dict], calls: int) -> dict:
+    """Per-call span, busy time and a table of kernels (by name and HLO op), in microseconds."""
+    if not kernels:
+        return {"kernels_per_call": 0, "span_us": None, "busy_us": None, "table": []}
+    span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / calls
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        row = by[(k["name"], k["hlo_op"])]
+        row[0] += 1
+        row[1] += k["dur"]
+    table = sorted(({"kernel": name, "hlo_op": op, "launches_per_call": n / calls, "us_per_call": t / calls}
+                    for (name, op), (n, t) in by.items()), key=lambda r: -r["us_per_call"])
+    return {"kernels_per_call": len(kernels) / calls, "span_us": span, "busy_us": busy_us(kernels) / calls,
+            "table": table}
+
+
+def profile(fn, args, calls: int, keep: pathlib.Path | None) -> tuple[list[dict], dict[str, int]]:
+    """Runs ``fn(*args)`` ``calls`` times under ``jax.profiler.trace``; its GPU kernels and lines."""
+    tmp = tempfile.mkdtemp(prefix="moe_jax_trace_")
+    try:
+        jax.block_until_ready(fn(*args))
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        paths = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))
+        if not paths:
+            raise RuntimeError(f"jax.profiler.trace wrote no *.trace.json.gz under {tmp}")
+        with gzip.open(paths[-1]) as f:
+            trace = json.load(f)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(paths[-1], keep / os.path.basename(paths[-1]))
+        return gpu_kernels(trace), thread_lines(trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"# Where a layer call spends its GPU time ({meta['device']})", "",
+             f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`.", "",
+             f"{meta['preset']} layer, {meta['format']} experts on `{meta['expert_gemm']}` (plan: "
+             f"`{meta['resolved_expert_gemm']}`), all experts on one device. Wall: median of 5 windows of "
+             f"{meta['iters']} calls, no profiler. Span, busy and the kernel table: {meta['calls']} calls under "
+             "`jax.profiler.trace`, per call; busy = time at least one kernel runs, so span - busy is the "
+             "time between kernels.", ""]
+    for r in results["rows"]:
+        s = r["summary"]
+        lines += [f"## {r['tokens']} tokens", ""]
+        if "error" in r:
+            lines += [f"error: {r['error']}", ""]
+            continue
+        if not s["table"]:
+            lines += [f"wall {r['wall_us']:.0f} us; the trace holds no GPU kernels (lines: "
+                      f"{', '.join(r['lines'])[:300]})", ""]
+            continue
+        lines += [f"wall {r['wall_us']:.0f} us; kernels: span {s['span_us']:.0f} us, busy {s['busy_us']:.0f} us, "
+                  f"{s['kernels_per_call']:.0f} launches", "",
+                  "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
+        for row in s["table"][:25]:
+            lines.append(f"| `{row['kernel'][:70]}` | `{row['hlo_op'][:50]}` | {row['launches_per_call']:.0f} | "
+                         f"{row['us_per_call']:.1f} | {row['us_per_call'] / s['busy_us']:.1%} |")
+        if len(s["table"]) > 25:
+            rest = sum(row["us_per_call"] for row in s["table"][25:])
+            lines.append(f"| {len(s['table']) - 25} more | | | {rest:.1f} | {rest / s['busy_us']:.1%} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--format", default="nvfp4", choices=["nvfp4", "bf16"])
+    parser.add_argument("--expert-gemm", default="auto")
+    parser.add_argument("--preset", default="kimi_k2", choices=["kimi_k2", "small"])
+    parser.add_argument("--calls", type=int, default=5, help="calls recorded in each trace")
+    parser.add_argument("--iters", type=int, default=10, help="calls per timing window (no profiler)")
+    parser.add_argument("--keep-trace", action="store_true", help="copy the raw trace files into --out")
+    args = parser.parse_args()
+    if args.calls < 1 or args.iters < 1:
+        parser.error(f"--calls {args.calls}, --iters {args.iters}: expected >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = config_for(args.preset, args.format, args.expert_gemm)
+    plan = moe_jax.resolve(config, None)
+    print(plan.report, flush=True)
+    results = {"meta": {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
+                        "commit": os.environ.get("GIT_COMMIT", "unknown"), "preset": args.preset,
+                        "format": args.format, "expert_gemm": args.expert_gemm,
+                        "resolved_expert_gemm": plan.expert_gemm, "calls": args.calls, "iters": args.iters,
+                        "jax": jax.__version__, "report": plan.report,
+                        "command": "python benchmarks/profile_layer.py " + " ".join(sys.argv[1:])},
+               "rows": []}
+    params = moe_jax.random_params(config, jax.random.key(0), plan)
+    fn = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan)[0])
+    for tokens in args.tokens:
+        row = {"tokens": tokens}
+        try:
+            x = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16)
+            seconds, _ = timed(lambda p, x: moe_jax.moe_forward(p, x, plan)[0], params, x, iters=args.iters)
+            kernels, lines = profile(fn, (params, x), args.calls, args.out / "traces" if args.keep_trace else None)
+            row.update(wall_us=seconds * 1e6, summary=summarize(kernels, args.calls), lines=list(lines))
+        except Exception as err:  # recorded, never hidden
+            row.update(error=f"{type(err).__name__}: {str(err)[:400]}", summary={"table": []})
+        print(json.dumps({k: v for k, v in row.items() if k != "summary"}), flush=True)
+        results["rows"].append(row)
+        (args.out / "profile_layer.json").write_text(json.dumps(results, indent=1))
+        (args.out / "profile_layer.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

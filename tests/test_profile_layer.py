@@ -1,0 +1,35 @@
+"""benchmarks/profile_layer.py reads GPU kernels out of a trace as XLA writes it (hand-written trace)."""
+
+from benchmarks import profile_layer
+
+TRACE = {"traceEvents": [
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+    {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "python"}},
+    # Two calls of: gemm (10 us), gap 5 us, fusion (4 us, overlapping a 2 us copy on the same line).
+    *[e for base in (0.0, 100.0) for e in (
+        {"ph": "X", "pid": 1, "tid": 7, "ts": base, "dur": 10.0, "name": "gate_up_kernel", "args": {"hlo_op": "custom-call.1"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": base + 15.0, "dur": 4.0, "name": "loop_fusion", "args": {"hlo_op": "fusion.3"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": base + 16.0, "dur": 2.0, "name": "copy", "args": {"hlo_op": "copy.2"}},
+        {"ph": "X", "pid": 1, "tid": 8, "ts": base, "dur": 19.0, "name": "custom-call.1"},  # summary line: not counted
+        {"ph": "X", "pid": 2, "tid": 9, "ts": base, "dur": 50.0, "name": "PjitFunction"},  # host: not counted
+    )],
+]}
+
+
+def test_kernels_come_from_the_gpu_stream_lines_only():
+    kernels = profile_layer.gpu_kernels(TRACE)
+    assert sorted({k["name"] for k in kernels}) == ["copy", "gate_up_kernel", "loop_fusion"]
+    assert len(kernels) == 6
+
+
+def test_span_busy_and_table_per_call():
+    s = profile_layer.summarize(profile_layer.gpu_kernels(TRACE), calls=2)
+    assert s["kernels_per_call"] == 3
+    assert s["span_us"] == (119.0 - 0.0) / 2  # first start to last end, over both calls
+    assert s["busy_us"] == 14.0  # 10 + 4: the copy runs inside the fusion's interval
+    assert [(r["kernel"], r["hlo_op"], r["us_per_call"]) for r in s["table"]] == [
+        ("gate_up_kernel", "custom-call.1", 10.0), ("loop_fusion", "fusion.3", 4.0), ("copy", "copy.2", 2.0)]
+    assert profile_layer.summarize([], calls=2)["table"] == []

@@ -75,12 +75,10 @@ def gpu_kernels(trace: dict) -> list[dict]:
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu:
             continue
-        line = threads.get((e["pid"], e.get("tid")), "")
-        if "stream" not in line.lower():
+        if "stream" not in threads.get((e["pid"], e.get("tid")), "").lower():
             continue
-        args = e.get("args") or {}
         out.append({"name": e.get("name", "?"), "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0)),
-                    "line": line, "hlo_op": args.get("hlo_op", ""), "hlo_module": args.get("hlo_module", "")})
+                    "hlo_op": (e.get("args") or {}).get("hlo_op", "")})
     return out
 
 

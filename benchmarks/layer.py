@@ -166,7 +166,8 @@ def markdown(results: dict) -> str:
     by = {(r["impl"], r.get("tokens")): r for r in rows}
     lines = [f"# Whole Kimi K2 MoE layer, one GPU ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`.", "",
-             f"384 experts on one GPU, top-8, hidden 7168, intermediate 2048, one bf16 shared expert; "
+             f"384 experts on one GPU, top-8, hidden 7168, intermediate 2048, one shared expert in the routed "
+             f"experts' format (MoEConfig.kimi_k2's default); "
              f"ms per call, median of 5 windows of {meta['iters']} calls. Copy bandwidth in this run: "
              f"{bw / 1e12:.2f} TB/s. Floor: the bytes of the experts the batch touches (NVFP4: codes + "
              "block scales), the shared expert, router and activations, at that bandwidth.", "",

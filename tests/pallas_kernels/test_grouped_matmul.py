@@ -48,8 +48,14 @@ GPU_CASES = {
 }
 
 
+def _normal(rng, shape, scale: float = 0.05) -> jax.Array:
+    """float32 normal draws made on the default device (at Kimi K2's 48-expert size NumPy's
+    float64 draws and their copy to the GPU took most of a test's minutes), seeded from ``rng``."""
+    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, jnp.float32) * scale
+
+
 def _weights(rng, fmt: str, e: int, rows: int, k: int):
-    w = jnp.asarray(rng.standard_normal((e, rows, k)) * 0.05, jnp.bfloat16)
+    w = _normal(rng, (e, rows, k)).astype(jnp.bfloat16)
     match fmt:
         case "bf16":
             return w
@@ -61,9 +67,9 @@ def _weights(rng, fmt: str, e: int, rows: int, k: int):
 def _gate_up_own_scales(rng, e: int, f: int, k: int):
     """NVFP4 ``[E, 2F, K]`` with global scales ``[E, 2]``: gate and up quantized separately, up
     3-10x larger than gate, so applying either half's scale to both would be far off."""
-    gate = rng.standard_normal((e, f, k)) * 0.05
-    up = rng.standard_normal((e, f, k)) * 0.05 * rng.uniform(3, 10, (e, 1, 1))
-    w = nvfp4.concat_rows(*(nvfp4.quantize(jnp.asarray(half, jnp.float32)) for half in (gate, up)))
+    gate = _normal(rng, (e, f, k))
+    up = _normal(rng, (e, f, k)) * jnp.asarray(rng.uniform(3, 10, (e, 1, 1)), jnp.float32)
+    w = nvfp4.concat_rows(nvfp4.quantize(gate), nvfp4.quantize(up))
     ratio = np.asarray(w.global_scale[:, 1] / w.global_scale[:, 0])
     assert w.global_scale.shape == (e, 2) and (ratio > 2).all(), ratio
     return w

@@ -192,7 +192,9 @@ def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
 def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
     """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
     last expert's, harmless: their values are never used)."""
-    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right")
+    # Unrolled, as the kernels' tile schedule: the default method is a device-side while loop.
+    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right",
+                                method="scan_unrolled")
     return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
 
 

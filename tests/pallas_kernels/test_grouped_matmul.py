@@ -9,6 +9,7 @@ In interpret mode the kernels also count every load and store lane outside its b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -272,6 +273,24 @@ def test_tile_schedule_covers_each_row_once(rng):
         for i in range(e):
             expected[bounds[i]:bounds[i + 1]] = i
         np.testing.assert_array_equal(owner, expected)
+
+
+def test_tile_schedule_at_kimi_size_covers_the_last_expert_and_has_no_loop(rng):
+    """384 experts, rows on the last ones: the schedule is exact there, and is straight-line HLO
+    (a device-side while loop would cost launches on every layer call)."""
+    e, m, bm = 384, 256, 16
+    sizes = np.zeros(e, np.int64)
+    sizes[rng.choice(e - 8, 24, replace=False)] = 8
+    sizes[-8:] = 8  # experts 376..383
+    schedule = jax.jit(functools.partial(triton_backend.tile_schedule, num_rows=m, block_m=bm,
+                                         num_tiles=triton_backend.max_tiles(m, e, bm)))
+    assert "stablehlo.while" not in schedule.lower(jnp.asarray(sizes, jnp.int32)).as_text()
+    expert, start, end = (np.asarray(a) for a in schedule(jnp.asarray(sizes, jnp.int32)))
+    used = end > start
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    np.testing.assert_array_equal(expert[used], np.flatnonzero(sizes))  # one tile of 8 rows each
+    np.testing.assert_array_equal(start[used], bounds[:-1][sizes > 0])
+    np.testing.assert_array_equal(end[used], bounds[1:][sizes > 0])
 
 
 def test_exact_dequantization_matches_reference(rng):

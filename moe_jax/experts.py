@@ -464,19 +464,22 @@ def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:
 
     Up to ``plan.shared_kernel_max_tokens`` tokens (see :func:`shared_expert_plan`) through the
     routed experts' implementation as one expert holding all ``T`` rows (the output rounded to
-    ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation.
+    ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation. The
+    HLO says which: ``jax.named_scope`` ``moe_jax.shared_expert.<expert_gemm>`` or ``.dense``.
     """
     dtype = jnp.dtype(plan.config.dtype)
     tokens = x_th.shape[0]
     if 0 < tokens <= plan.shared_kernel_max_tokens:
         one = {name: nvfp4.NVFP4Tensor(packed=w.packed[None], scales=w.scales[None], global_scale=w.global_scale[None])
                for name, w in (("w_gate_up_egh", w_gate_up_gh), ("w_down_ehf", w_down_hs))}
-        y_th = EXPERT_GEMM[plan.expert_gemm].run(x_th.astype(dtype), jnp.full((1,), tokens, jnp.int32), one, plan)
+        with jax.named_scope(f"moe_jax.shared_expert.{plan.expert_gemm}"):  # which way it ran, in the HLO
+            y_th = EXPERT_GEMM[plan.expert_gemm].run(x_th.astype(dtype), jnp.full((1,), tokens, jnp.int32), one, plan)
         return y_th.astype(jnp.float32)
-    h_tg = jnp.einsum("th,gh->tg", x_th.astype(dtype), dense_weight(w_gate_up_gh, dtype),
-                      preferred_element_type=jnp.float32)
-    a_ts = swiglu(h_tg).astype(dtype)
-    return jnp.einsum("ts,hs->th", a_ts, dense_weight(w_down_hs, dtype), preferred_element_type=jnp.float32)
+    with jax.named_scope("moe_jax.shared_expert.dense"):
+        h_tg = jnp.einsum("th,gh->tg", x_th.astype(dtype), dense_weight(w_gate_up_gh, dtype),
+                          preferred_element_type=jnp.float32)
+        a_ts = swiglu(h_tg).astype(dtype)
+        return jnp.einsum("ts,hs->th", a_ts, dense_weight(w_down_hs, dtype), preferred_element_type=jnp.float32)
 
 
 EXPERT_GEMM = Registry(

@@ -178,6 +178,9 @@ def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(r
         return str(jax.make_jaxpr(lambda x: moe_forward(params, x, p)[0])(x)).count("pallas_call")
 
     assert pallas_calls(plan) == pallas_calls(dense) + 2  # gate/up + SwiGLU and down, for the shared expert
+    for p, scope in ((plan, "moe_jax.shared_expert.pallas"), (dense, "moe_jax.shared_expert.dense")):
+        hlo = jax.jit(moe_forward, static_argnums=2).lower(params, x, p).compile().as_text()
+        assert set(re.findall(r"moe_jax\.shared_expert\.[a-z_]+", hlo)) == {scope}
     layer_ref = reference_forward(params, np.asarray(x, np.float64), config)
     for p in (plan, dense):
         y_layer = np.asarray(jax.jit(moe_forward, static_argnums=2)(params, x, p)[0], np.float64)

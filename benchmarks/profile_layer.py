@@ -53,6 +53,15 @@ def config_for(preset: str, fmt: str, gemm: str) -> moe_jax.MoEConfig:
                                num_experts=16, hidden_size=256, expert_intermediate_size=128, top_k=4)
 
 
+def _named(trace: dict) -> tuple[list, dict, dict]:
+    """``(events, process name by pid, thread name by (pid, tid))`` of a Chrome/Perfetto trace."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return events, procs, threads
+
+
 def gpu_kernels(trace: dict) -> list[dict]:
     """The kernel events of a Chrome/Perfetto trace: ``X`` events on a GPU device's stream lines.
 
@@ -60,10 +69,7 @@ def gpu_kernels(trace: dict) -> list[dict]:
     thread lines named ``Stream #...``; the other lines of that process (``XLA Modules``,
     ``XLA Ops``) summarize the same time and are left out so nothing is counted twice.
     """
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, procs, threads = _named(trace)
     gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
     out = []
     for e in events:
@@ -80,10 +86,7 @@ def gpu_kernels(trace: dict) -> list[dict]:
 
 def thread_lines(trace: dict) -> dict[str, int]:
     """How many ``X`` events each ``process / thread`` line holds (to see the trace's layout)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, procs, threads = _named(trace)
     counts = collections.Counter(f"{procs.get(e.get('pid'), e.get('pid'))} / {threads.get((e.get('pid'), e.get('tid')), e.get('tid'))}"
                                  for e in events if e.get("ph") == "X")
     return dict(counts.most_common(30))

@@ -438,9 +438,8 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
     ``(max tokens per device through the routed kernels (0: never), report line)``."""
     if not config.num_shared_experts:
         return 0, "none"
-    dense = "XLA dot"
     if config.shared_format != "nvfp4":
-        return 0, f"{config.shared_format} weights, {dense}"
+        return 0, f"{config.shared_format} weights, XLA dot"
     dense = "NVFP4 weights dequantized every call, then an XLA dot"
     if expert_gemm == "xla":
         return 0, f"{dense} (the xla reference path)"

@@ -147,7 +147,8 @@ def markdown(results: dict) -> str:
     lines = [f"# Where a layer call spends its GPU time ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`.", "",
              f"{meta['preset']} layer, {meta['format']} experts on `{meta['expert_gemm']}` (plan: "
-             f"`{meta['resolved_expert_gemm']}`), all experts on one device. Wall: median of 5 windows of "
+             f"`{meta['resolved_expert_gemm']}`; shared expert through the kernels up to "
+             f"{meta.get('shared_kernel_max_tokens', '?')} tokens), all experts on one device. Wall: median of 5 windows of "
              f"{meta['iters']} calls, no profiler. Span, busy and the kernel table: {meta['calls']} calls under "
              "`jax.profiler.trace`, per call; busy = time at least one kernel runs, so span - busy is the "
              "time between kernels.", ""]
@@ -183,6 +184,9 @@ def main() -> None:
     parser.add_argument("--preset", default="kimi_k2", choices=["kimi_k2", "small"])
     parser.add_argument("--calls", type=int, default=5, help="calls recorded in each trace")
     parser.add_argument("--iters", type=int, default=10, help="calls per timing window (no profiler)")
+    parser.add_argument("--shared-kernel-max-tokens", type=int, default=None,
+                        help="override the plan's limit for the shared expert through the kernels (0: never), "
+                             "to time both ways in one run")
     parser.add_argument("--keep-trace", action="store_true", help="copy the raw trace files into --out")
     args = parser.parse_args()
     if args.calls < 1 or args.iters < 1:
@@ -190,12 +194,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     config = config_for(args.preset, args.format, args.expert_gemm)
     plan = moe_jax.resolve(config, None)
+    if args.shared_kernel_max_tokens is not None:
+        plan = dataclasses.replace(plan, shared_kernel_max_tokens=args.shared_kernel_max_tokens)
     print(plan.report, flush=True)
     results = {"meta": {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                         "commit": os.environ.get("GIT_COMMIT", "unknown"), "preset": args.preset,
                         "format": args.format, "expert_gemm": args.expert_gemm,
                         "resolved_expert_gemm": plan.expert_gemm, "calls": args.calls,
-                        "iters": args.iters,
+                        "shared_kernel_max_tokens": plan.shared_kernel_max_tokens, "iters": args.iters,
                         "jax": jax.__version__, "report": plan.report,
                         "command": "python benchmarks/profile_layer.py " + " ".join(sys.argv[1:])},
                "rows": []}

@@ -192,7 +192,9 @@ def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
 def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
     """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
     last expert's, harmless: their values are never used)."""
-    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right")
+    # Unrolled, as the kernels' tile schedule: the default method is a device-side while loop.
+    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right",
+                                method="scan_unrolled")
     return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
 
 
@@ -420,6 +422,63 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
             assert_never(unreachable)
     shared = f"; the shared expert's stay {config.dtype}" if config.num_shared_experts else ""
     return f"NVFP4 per row, {scale} (activation_scale={config.activation_scale!r}; {where}){shared}"
+
+
+#: The most tokens per device for which NVFP4 shared-expert weights go through the routed
+#: experts' W4A16 kernels (one group holding every token), read as stored at 4.5 bits a weight.
+#: Above it they are dequantized once per call and multiplied by XLA's bf16 GEMM: once enough
+#: rows share each weight tile, cuBLAS's bf16 rate beats the W4A16 prefill kernels by more than
+#: the dequantization costs (one H200, Kimi K2's shared expert: benchmarks/NOTES.md, "The
+#: shared expert").
+SHARED_KERNEL_MAX_TOKENS = 1024
+
+
+def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> tuple[int, str]:
+    """How the shared expert runs, ``expert_gemm`` having been chosen for the routed ones:
+    ``(max tokens per device through the routed kernels (0: never), report line)``."""
+    if not config.num_shared_experts:
+        return 0, "none"
+    if config.shared_format != "nvfp4":
+        return 0, f"{config.shared_format} weights, XLA dot"
+    dense = "NVFP4 weights dequantized every call, then an XLA dot"
+    if expert_gemm == "xla":
+        return 0, f"{dense} (the xla reference path)"
+    if config.qat:
+        return 0, f"{dense} (under qat the {expert_gemm} kernels take the routed experts' float masters)"
+    if expert_gemm == "triton":
+        from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+        if native.mode_for(target.compute_capability) is native.Mode.W4A4:
+            return 0, (f"{dense} in {config.dtype} (triton quantizes activations to NVFP4 on "
+                       f"SM{target.compute_capability}; the shared expert's stay {config.dtype})")
+    if config.shared_size % pallas_gmm.K_MULTIPLE:
+        return 0, f"{dense} (its width {config.shared_size} is not a multiple of {pallas_gmm.K_MULTIPLE})"
+    return SHARED_KERNEL_MAX_TOKENS, (
+        f"NVFP4 weights through the {expert_gemm} kernels as one group, read as stored, up to "
+        f"{SHARED_KERNEL_MAX_TOKENS} tokens per device; above, {dense}")
+
+
+def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:
+    """The shared expert on every token: ``x_th [T, H]`` -> float32 ``[T, H]``.
+
+    Up to ``plan.shared_kernel_max_tokens`` tokens (see :func:`shared_expert_plan`) through the
+    routed experts' implementation as one expert holding all ``T`` rows (the output rounded to
+    ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation. The
+    HLO says which: ``jax.named_scope`` ``moe_jax.shared_expert.<expert_gemm>`` or ``.dense``.
+    """
+    dtype = jnp.dtype(plan.config.dtype)
+    tokens = x_th.shape[0]
+    if 0 < tokens <= plan.shared_kernel_max_tokens:
+        one = {name: nvfp4.NVFP4Tensor(packed=w.packed[None], scales=w.scales[None], global_scale=w.global_scale[None])
+               for name, w in (("w_gate_up_egh", w_gate_up_gh), ("w_down_ehf", w_down_hs))}
+        with jax.named_scope(f"moe_jax.shared_expert.{plan.expert_gemm}"):  # which way it ran, in the HLO
+            y_th = EXPERT_GEMM[plan.expert_gemm].run(x_th.astype(dtype), jnp.full((1,), tokens, jnp.int32), one, plan)
+        return y_th.astype(jnp.float32)
+    with jax.named_scope("moe_jax.shared_expert.dense"):
+        h_tg = jnp.einsum("th,gh->tg", x_th.astype(dtype), dense_weight(w_gate_up_gh, dtype),
+                          preferred_element_type=jnp.float32)
+        a_ts = swiglu(h_tg).astype(dtype)
+        return jnp.einsum("ts,hs->th", a_ts, dense_weight(w_down_hs, dtype), preferred_element_type=jnp.float32)
 
 
 EXPERT_GEMM = Registry(

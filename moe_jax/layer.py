@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM, dense_weight, swiglu
+from moe_jax.experts import EXPERT_GEMM, shared_expert_mlp
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
 from pallas_kernels.grouped_matmul import reference as gmm_reference
@@ -268,12 +268,6 @@ def _expert_weights(params: Params, config: MoEConfig) -> dict:
     return {**params["experts"], "input_scales": {name: scales[name] for name in ("gate_e", "up_e", "down_e")}}
 
 
-def _dense_mlp(x_th, w_gate_up_gh, w_down_hs, dtype):
-    h_tg = jnp.einsum("th,gh->tg", x_th, dense_weight(w_gate_up_gh, dtype), preferred_element_type=jnp.float32)
-    a_ts = swiglu(h_tg).astype(dtype)
-    return jnp.einsum("ts,hs->th", a_ts, dense_weight(w_down_hs, dtype), preferred_element_type=jnp.float32)
-
-
 def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[str, ...]):
     """One device's share: route, exchange + experts, combine, shared expert, statistics.
 
@@ -316,7 +310,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
             capacity_factor=config.capacity_factor,
         )
     if "shared" in params:
-        y_th = y_th + _dense_mlp(x_th.astype(dtype), params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], dtype)
+        y_th = y_th + shared_expert_mlp(x_th, params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], plan)
     y_th = jnp.where(finite_t[:, None], y_th, jnp.nan)
     y_th = jnp.where(valid_t[:, None], y_th, 0)  # padding: routed nowhere, the shared expert's part too
 

@@ -46,6 +46,10 @@ class Plan:
     decisions: tuple[Decision, ...]
     activations: str  # what the routed experts multiply their weights with (moe_jax.experts.activations_report)
     mesh: Mesh | AbstractMesh | None = None
+    # How the shared expert runs (moe_jax.experts.shared_expert_plan): up to this many tokens per
+    # device through the routed experts' kernels (0: never), and the report's line for it.
+    shared_kernel_max_tokens: int = 0
+    shared: str = "none"
 
     def chosen(self, stage: str) -> str:
         for decision in self.decisions:
@@ -77,7 +81,8 @@ class Plan:
             f"  target: {self.target.describe()}"
         )
         decisions = (line for d in self.decisions for line in d.lines())
-        return "\n".join([head, *decisions, f"  activations: {self.activations}"])
+        shared = [f"  shared expert: {self.shared}"] if cfg.num_shared_experts else []
+        return "\n".join([head, *decisions, f"  activations: {self.activations}", *shared])
 
     def __str__(self) -> str:
         return self.report

@@ -174,7 +174,7 @@ def resolve(
       ResolutionError: a name no registry holds, an explicit choice that cannot run (with its
         reason), ``auto`` finding nothing, or a mesh that does not fit the config.
     """
-    from moe_jax.experts import activations_report  # noqa: PLC0415 (loaded with the registries)
+    from moe_jax.experts import activations_report, shared_expert_plan  # noqa: PLC0415 (loaded with the registries)
 
     registries = stages()
     for registry in registries:
@@ -183,5 +183,7 @@ def resolve(
     decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in registries)
     expert_gemm = next(d.chosen for d in decisions if d.stage == EXPERT_GEMM_STAGE)
     mesh = devices_or_mesh if isinstance(devices_or_mesh, (Mesh, AbstractMesh)) else None
+    shared_max_tokens, shared = shared_expert_plan(config, target, expert_gemm)
     return Plan(config=config, target=target, decisions=decisions, mesh=mesh,
-                activations=activations_report(config, target, expert_gemm))
+                activations=activations_report(config, target, expert_gemm),
+                shared_kernel_max_tokens=shared_max_tokens, shared=shared)

@@ -319,8 +319,12 @@ def test_the_module_keeps_input_scales_as_untrained_variables(rng, cpu_devices):
     assert "input_scales" not in MoE(CONFIG, rngs=nnx.Rngs(0)).params()
 
 
+def _activations_line(config) -> str:
+    return next(line for line in resolve(config).report.splitlines() if line.startswith("  activations: "))
+
+
 def test_the_report_says_which_activation_scaling_is_in_effect():
-    lines = {scale: resolve(dataclasses.replace(CONFIG, activation_scale=scale)).report.splitlines()[-1]
+    lines = {scale: _activations_line(dataclasses.replace(CONFIG, activation_scale=scale))
              for scale in ("checkpoint", "dynamic", "auto")}
     assert lines["checkpoint"].startswith("  activations: NVFP4 per row, global scale from the checkpoint's static "
                                           "input_scale of each expert (gate/up: the larger) "
@@ -328,7 +332,7 @@ def test_the_report_says_which_activation_scaling_is_in_effect():
     assert "NVFP4 per row, dynamic per-row global scale, amax / (6 * 448)" in lines["dynamic"]
     assert "where the params carry them (gate/up: the larger), else dynamic per row" in lines["auto"]
     assert all(line.endswith("the shared expert's stay bfloat16") for line in lines.values())
-    w4a16 = resolve(dataclasses.replace(CONFIG, reference_activations="bf16")).report.splitlines()[-1]
+    w4a16 = _activations_line(dataclasses.replace(CONFIG, reference_activations="bf16"))
     assert w4a16.startswith("  activations: bfloat16, not quantized (W4A16 reference;")
     assert moe_jax.resolve(CONFIG).report.count("activations:") == 1
 

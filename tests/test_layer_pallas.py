@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import sharding
+from moe_jax import experts
 from moe_jax import (
     MoEConfig, init_params, moe_forward, nvfp4, quantize_params, reference_forward, resolve, shard_params,
 )
@@ -154,3 +155,33 @@ def test_pallas_on_gpu_matches_the_reference(rng, weight_format):
 def test_pallas_on_gpu_with_a_global_scale_per_gate_and_up_half(rng):
     config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="pallas")
     check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300, own_scales=True)
+
+
+def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(rng, cpu_devices):
+    """As one expert holding every token, against float64 of the same NVFP4 weights; beyond the
+    limit (here: a plan with limit 0) densely, and the layer matches the reference both ways."""
+    config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="pallas", interpret=True)
+    plan = resolve(config, cpu_devices[:1])
+    assert plan.shared_kernel_max_tokens == experts.SHARED_KERNEL_MAX_TOKENS
+    params, x = make(config, rng, tokens=24)
+    w_gate_up, w_down = params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"]
+    gate_up = np.asarray(nvfp4.dequantize(w_gate_up, jnp.float32), np.float64)
+    down = np.asarray(nvfp4.dequantize(w_down, jnp.float32), np.float64)
+    h = np.asarray(x, np.float64) @ gate_up.T
+    gate, up = np.split(h, 2, axis=1)
+    ref = (gate / (1 + np.exp(-gate)) * up) @ down.T
+    y = np.asarray(jax.jit(experts.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+    dense = dataclasses.replace(plan, shared_kernel_max_tokens=0)
+
+    def pallas_calls(p):
+        return str(jax.make_jaxpr(lambda x: moe_forward(params, x, p)[0])(x)).count("pallas_call")
+
+    assert pallas_calls(plan) == pallas_calls(dense) + 2  # gate/up + SwiGLU and down, for the shared expert
+    for p, scope in ((plan, "moe_jax.shared_expert.pallas"), (dense, "moe_jax.shared_expert.dense")):
+        hlo = jax.jit(moe_forward, static_argnums=2).lower(params, x, p).compile().as_text()
+        assert set(re.findall(r"moe_jax\.shared_expert\.[a-z_]+", hlo)) == {scope}
+    layer_ref = reference_forward(params, np.asarray(x, np.float64), config)
+    for p in (plan, dense):
+        y_layer = np.asarray(jax.jit(moe_forward, static_argnums=2)(params, x, p)[0], np.float64)
+        assert np.linalg.norm(y_layer - layer_ref) / np.linalg.norm(layer_ref) < 1e-2

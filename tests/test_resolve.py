@@ -158,3 +158,25 @@ def test_the_report_says_where_activations_are_quantized_and_against_which_scale
     assert line.startswith("  activations: ") and expected in line, line
     bf16 = resolve(MoEConfig(**SMALL, activation_scale="checkpoint")).report.splitlines()[-1]
     assert bf16 == "  activations: bfloat16, not quantized (bf16 weights); activation_scale='checkpoint' has no effect"
+
+
+@pytest.mark.parametrize("kind, expert_gemm, config_args, expected", [
+    ("NVIDIA H200", "triton", {}, "NVFP4 weights through the triton kernels as one group, read as stored, up to "
+                                  "1024 tokens per device; above, NVFP4 weights dequantized every call, then an XLA dot"),
+    (RTX_PRO_6000, "pallas", {}, "NVFP4 weights through the pallas kernels as one group"),
+    (RTX_PRO_6000, "triton", {}, "NVFP4 weights dequantized every call, then an XLA dot in bfloat16 (triton quantizes "
+                                 "activations to NVFP4 on SM120; the shared expert's stay bfloat16)"),
+    ("NVIDIA H200", "xla", {}, "(the xla reference path)"),
+    ("NVIDIA H200", "pallas", {"qat": True}, "(under qat the pallas kernels take the routed experts' float masters)"),
+    ("NVIDIA H200", "pallas", {"shared_weight_format": "bf16"}, "bf16 weights, XLA dot"),
+])
+def test_the_report_says_how_the_shared_expert_runs(kind, expert_gemm, config_args, expected):
+    if expert_gemm == "triton" and importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("the triton implementation needs jax-triton installed to resolve")
+    config = MoEConfig(**{**SMALL, "hidden_size": 64, "expert_intermediate_size": 64}, weight_format="nvfp4",
+                       num_shared_experts=1, expert_gemm=expert_gemm, **config_args)
+    plan = resolve(config, abstract_mesh(kind), training=config.qat)
+    line = plan.report.splitlines()[-1]
+    assert line.startswith("  shared expert: ") and expected in line, line
+    assert plan.shared_kernel_max_tokens == (1024 if "through the" in expected else 0)
+    assert "shared expert" not in resolve(MoEConfig(**SMALL)).report

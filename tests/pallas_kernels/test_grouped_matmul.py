@@ -9,6 +9,7 @@ In interpret mode the kernels also count every load and store lane outside its b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -48,8 +49,14 @@ GPU_CASES = {
 }
 
 
+def _normal(rng, shape, scale: float = 0.05) -> jax.Array:
+    """float32 normal draws made on the default device (at Kimi K2's 48-expert size NumPy's
+    float64 draws and their copy to the GPU took most of a test's minutes), seeded from ``rng``."""
+    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, jnp.float32) * scale
+
+
 def _weights(rng, fmt: str, e: int, rows: int, k: int):
-    w = jnp.asarray(rng.standard_normal((e, rows, k)) * 0.05, jnp.bfloat16)
+    w = _normal(rng, (e, rows, k)).astype(jnp.bfloat16)
     match fmt:
         case "bf16":
             return w
@@ -61,9 +68,9 @@ def _weights(rng, fmt: str, e: int, rows: int, k: int):
 def _gate_up_own_scales(rng, e: int, f: int, k: int):
     """NVFP4 ``[E, 2F, K]`` with global scales ``[E, 2]``: gate and up quantized separately, up
     3-10x larger than gate, so applying either half's scale to both would be far off."""
-    gate = rng.standard_normal((e, f, k)) * 0.05
-    up = rng.standard_normal((e, f, k)) * 0.05 * rng.uniform(3, 10, (e, 1, 1))
-    w = nvfp4.concat_rows(*(nvfp4.quantize(jnp.asarray(half, jnp.float32)) for half in (gate, up)))
+    gate = _normal(rng, (e, f, k))
+    up = _normal(rng, (e, f, k)) * jnp.asarray(rng.uniform(3, 10, (e, 1, 1)), jnp.float32)
+    w = nvfp4.concat_rows(nvfp4.quantize(gate), nvfp4.quantize(up))
     ratio = np.asarray(w.global_scale[:, 1] / w.global_scale[:, 0])
     assert w.global_scale.shape == (e, 2) and (ratio > 2).all(), ratio
     return w
@@ -266,6 +273,24 @@ def test_tile_schedule_covers_each_row_once(rng):
         for i in range(e):
             expected[bounds[i]:bounds[i + 1]] = i
         np.testing.assert_array_equal(owner, expected)
+
+
+def test_tile_schedule_at_kimi_size_covers_the_last_expert_and_has_no_loop(rng):
+    """384 experts, rows on the last ones: the schedule is exact there, and is straight-line HLO
+    (a device-side while loop would cost launches on every layer call)."""
+    e, m, bm = 384, 256, 16
+    sizes = np.zeros(e, np.int64)
+    sizes[rng.choice(e - 8, 24, replace=False)] = 8
+    sizes[-8:] = 8  # experts 376..383
+    schedule = jax.jit(functools.partial(triton_backend.tile_schedule, num_rows=m, block_m=bm,
+                                         num_tiles=triton_backend.max_tiles(m, e, bm)))
+    assert "stablehlo.while" not in schedule.lower(jnp.asarray(sizes, jnp.int32)).as_text()
+    expert, start, end = (np.asarray(a) for a in schedule(jnp.asarray(sizes, jnp.int32)))
+    used = end > start
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    np.testing.assert_array_equal(expert[used], np.flatnonzero(sizes))  # one tile of 8 rows each
+    np.testing.assert_array_equal(start[used], bounds[:-1][sizes > 0])
+    np.testing.assert_array_equal(end[used], bounds[1:][sizes > 0])
 
 
 def test_exact_dequantization_matches_reference(rng):

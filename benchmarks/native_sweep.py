@@ -1,7 +1,7 @@
 """Tile sweep of the Triton-language NVFP4 kernels (``native.py``) at Kimi K2's real size.
 
 384 experts on one GPU, uniform routing, the fused gate/up + SwiGLU (``[E, 4096, 7168]``) and the
-down projection (``[E, 7168, 2048]``), at the row counts of 32, 256, 2048 and 8192 tokens (x 8).
+down projection (``[E, 7168, 2048]``), at the row counts of 32, 256 and 8192 tokens (x 8) by default.
 Each configuration's output is first compared with the Pallas kernel's on the same inputs (a
 tile that computes something else is recorded as wrong, never timed as a winner); then the
 median CUPTI kernel time over ``--runs`` calls rotating over two input sets. TB/s counts the
@@ -10,7 +10,7 @@ bounds it.
 
 Usage::
 
-    python benchmarks/native_sweep.py --out DIR [--rows 256 2048 16384 65536] [--runs 20]
+    python benchmarks/native_sweep.py --out DIR [--rows 256 2048 65536] [--runs 20]
 """
 
 from __future__ import annotations
@@ -34,56 +34,73 @@ from pallas_kernels.grouped_matmul import native  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import Op, decode_tile, prefill_tile  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE = 384, 7168, 2048
+G, M = Op.GATE_UP_SWIGLU, Op.MATMUL
+# Per (variant, op); the first of each list is the table's entry when this list was written. The
+# 4-warp prefill tiles fit two or three programs per SM, so one program's dequantization can run
+# while another's MMAs do (one 8-warp program per SM serializes them).
 CANDIDATES = {
-    "decode": [decode_tile(16, 64, 128, 4, 3), decode_tile(16, 64, 256, 4, 3), decode_tile(16, 128, 128, 4, 3),
-               decode_tile(16, 128, 128, 4, 4), decode_tile(16, 128, 256, 8, 3), decode_tile(16, 256, 128, 8, 3),
-               decode_tile(32, 64, 128, 4, 3)],
-    "prefill": [prefill_tile(128, 128, 64, 8, 4), prefill_tile(128, 64, 64, 8, 3), prefill_tile(128, 128, 128, 8, 3),
-                prefill_tile(128, 64, 128, 8, 3), prefill_tile(64, 128, 128, 4, 3), prefill_tile(128, 256, 64, 8, 3),
-                prefill_tile(256, 64, 64, 8, 3)],
+    ("decode", G): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 32, 256, 4, 3),
+                    decode_tile(16, 32, 256, 4, 4)],
+    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 512, 4, 2),
+                    decode_tile(16, 128, 256, 4, 3)],
+    ("prefill", G): [prefill_tile(128, 64, 128, 8, 3), prefill_tile(256, 64, 64, 8, 3), prefill_tile(128, 32, 128, 4, 2),
+                     prefill_tile(128, 32, 64, 4, 4), prefill_tile(64, 32, 128, 4, 3), prefill_tile(64, 32, 128, 4, 4)],
+    ("prefill", M): [prefill_tile(64, 128, 128, 4, 3), prefill_tile(128, 64, 128, 4, 2), prefill_tile(64, 64, 128, 4, 3),
+                     prefill_tile(128, 64, 64, 4, 4), prefill_tile(64, 64, 256, 4, 2), prefill_tile(64, 128, 128, 4, 2)],
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--rows", type=int, nargs="+", default=[256, 2048, 16384, 65536])
-    parser.add_argument("--runs", type=int, default=20)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def kimi_weights():
+    """NVFP4 weights at Kimi K2's real size: fused gate/up ``[E, 2F, H]`` and down ``[E, H, F]``."""
+    return {G: nvfp4.random(jax.random.key(1), (EXPERTS, 2 * INTERMEDIATE, HIDDEN)),
+            M: nvfp4.random(jax.random.key(2), (EXPERTS, HIDDEN, INTERMEDIATE))}
+
+
+def sweep(weights, rows, candidates, *, runs: int, kernels=native):
+    """Times each candidate tile of ``kernels`` (a module with ``run``, default :mod:`native`)
+    at each row count, after checking its output against the Pallas kernel's; yields the records."""
     cc = 90
-    bandwidth = copy_bandwidth(args.runs)
-    weights = {Op.GATE_UP_SWIGLU: nvfp4.random(jax.random.key(1), (EXPERTS, 2 * INTERMEDIATE, HIDDEN)),
-               Op.MATMUL: nvfp4.random(jax.random.key(2), (EXPERTS, HIDDEN, INTERMEDIATE))}
     rng = np.random.default_rng(0)
-    results = {"device": jax.devices()[0].device_kind, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
-    for m in args.rows:
+    for m in rows:
         g = jnp.asarray(group_sizes(m, "uniform", rng, experts=EXPERTS))
         touched = int(np.count_nonzero(np.asarray(g)))
+        variant = "decode" if m <= 2 * 16 * EXPERTS else "prefill"
         for op, w in weights.items():
             n_w, k = w.packed.shape[1], 2 * w.packed.shape[2]
             xs = [jax.random.normal(jax.random.key(10 * m + i), (m, k), jnp.bfloat16) for i in range(2)]
             ref = np.asarray(pallas_run(op, xs[0], w, g, compute_capability=cc), np.float32)
             bytes_ = touched * n_w * (k // 2 + k // 16)
-            variant = "decode" if m <= 2 * 16 * EXPERTS else "prefill"
-            for tile in CANDIDATES[variant]:
+            for tile in candidates[(variant, op)]:
                 entry = {"op": op.value, "rows": m, "tile": dataclasses.asdict(tile), "weight_bytes": bytes_}
                 try:
-                    fn = jax.jit(lambda x, w, g, tile=tile, op=op: native.run(op, x, w, g, compute_capability=cc,
-                                                                             tile=tile))
+                    fn = jax.jit(lambda x, w, g, tile=tile, op=op: kernels.run(op, x, w, g, compute_capability=cc,
+                                                                              tile=tile))
                     got = np.asarray(fn(xs[0], w, g), np.float32)
                     err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                     entry["relative_error_vs_pallas"] = err
                     if not err < 2e-2:
                         entry["error"] = f"wrong output: relative error {err:.3g} against the Pallas kernel"
                     else:
-                        us = time_jax(fn, [(x, w, g) for x in xs], args.runs) * 1e3
+                        us = time_jax(fn, [(x, w, g) for x in xs], runs) * 1e3
                         entry.update(us=us, tb_per_s=bytes_ / (us * 1e-6) / 1e12)
                 except Exception as e:  # recorded, never hidden
                     entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(entry), flush=True)
-                results["rows"].append(entry)
-                (args.out / "native_sweep.json").write_text(json.dumps(results, indent=1))
+                yield entry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[256, 2048, 65536])
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    bandwidth = copy_bandwidth(args.runs)
+    results = {"device": jax.devices()[0].device_kind, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
+    for entry in sweep(kimi_weights(), args.rows, CANDIDATES, runs=args.runs):
+        results["rows"].append(entry)
+        (args.out / "native_sweep.json").write_text(json.dumps(results, indent=1))
     best = {}
     for r in results["rows"]:
         if "us" in r and ((r["op"], r["rows"]) not in best or r["us"] < best[(r["op"], r["rows"])]["us"]):

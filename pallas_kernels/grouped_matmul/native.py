@@ -151,6 +151,16 @@ _WORD_TO_BF16_PTX = tl.constexpr(
     "{\n.reg .b32 x, p, m, s2, z;\nmov.b32 s2, {$9, $9};\nmov.b32 z, 0x80008000;\n" + _pair_ptx(12, "$0", "$1") + _pair_ptx(8, "$2", "$3")
     + _pair_ptx(4, "$4", "$5") + _pair_ptx(0, "$6", "$7") + "}\n")
 
+# Two E4M3 block scales (bytes s0, s1 of $1, as ``pack=2`` hands them over) -> two bf16
+# ``scale * 2**119`` in one register ($0 = s0, s1): ``prmt`` spreads the bytes into
+# 16-bit lanes, ``((b & 0x7f) << 4) | ((b & 0x80) << 8)`` places each E4M3 into a bf16 (``scale *
+# 2**-120``, subnormals included), and two exact power-of-two bf16x2 FMAs with -0 (2**127 and
+# 2**112: 2**239 is no bf16) lift it. Whole registers: half the instructions of one scale at a time.
+_SCALES_TO_BF16_PTX = tl.constexpr(
+    "{\n.reg .b32 x, m, hi, lo, z;\nmov.b32 hi, 0x7f007f00;\nmov.b32 lo, 0x77807780;\nmov.b32 z, 0x80008000;\n"
+    "cvt.u32.u16 x, $1;\nprmt.b32 x, x, 0, 0x4140;\nshl.b32 m, x, 4;\nand.b32 m, m, 0x07f007f0;\nshl.b32 x, x, 8;\n"
+    "and.b32 x, x, 0x80008000;\nor.b32 x, x, m;\nfma.rn.bf16x2 x, x, hi, z;\nfma.rn.bf16x2 $0, x, lo, z;\n}\n")
+
 #: The nibble (element ``8w + n`` of word ``w``) that asm output ``j`` holds: pairs
 #: (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3), (hi b1, hi b3).
 _OUTPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -180,11 +190,8 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     Each thread dequantizes whole words it loaded with one vector load, and each asm output pair
     is one MMA operand register: no byte gathering, no re-pairing.
     """
-    # The E4M3 bits placed into a bf16 give scale * 2**-120; two exact power-of-two steps
-    # (2**239 does not fit one bf16) make it scale * 2**119.
-    bits = scales_rb.to(tl.uint16)
-    placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
-    scale_rb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
+    scale_rb = tl.inline_asm_elementwise(_SCALES_TO_BF16_PTX, "=r,h", [scales_rb], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
     # Two words per block scale.
     scale_rw = tl.reshape(tl.join(scale_rb, scale_rb), (BLOCK_N, BLOCK_K // 8))
     o = tl.inline_asm_elementwise(_WORD_TO_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words_rw, scale_rw],

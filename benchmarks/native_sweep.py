@@ -11,6 +11,7 @@ bounds it.
 Usage::
 
     python benchmarks/native_sweep.py --out DIR [--rows 256 2048 65536] [--runs 20]
+    python benchmarks/native_sweep.py --out DIR --one-group --rows 32 256 1024
 """
 
 from __future__ import annotations
@@ -50,31 +51,41 @@ CANDIDATES = {
 }
 
 
-def kimi_weights():
+# One group holding every row (Kimi K2's shared expert, intermediate 2048 like a routed one);
+# None is the tile the kernel picks by itself.
+ONE_GROUP_CANDIDATES = [None, decode_tile(16, 64, 256, 4, 3), decode_tile(32, 32, 256, 4, 3),
+                        decode_tile(32, 64, 256, 4, 3), decode_tile(16, 32, 256, 4, 3), decode_tile(32, 32, 128, 4, 3),
+                        decode_tile(64, 32, 256, 4, 3), prefill_tile(128, 64, 128, 8, 3), prefill_tile(64, 32, 128, 4, 3),
+                        prefill_tile(128, 32, 128, 4, 2), prefill_tile(64, 64, 128, 4, 3), decode_tile(16, 16, 256, 4, 3)]
+
+
+def kimi_weights(experts: int = EXPERTS):
     """NVFP4 weights at Kimi K2's real size: fused gate/up ``[E, 2F, H]`` and down ``[E, H, F]``."""
-    return {G: nvfp4.random(jax.random.key(1), (EXPERTS, 2 * INTERMEDIATE, HIDDEN)),
-            M: nvfp4.random(jax.random.key(2), (EXPERTS, HIDDEN, INTERMEDIATE))}
+    return {G: nvfp4.random(jax.random.key(1), (experts, 2 * INTERMEDIATE, HIDDEN)),
+            M: nvfp4.random(jax.random.key(2), (experts, HIDDEN, INTERMEDIATE))}
 
 
-def sweep(weights, rows, candidates, *, runs: int, kernels=native):
-    """Times each candidate tile of ``kernels`` (a module with ``run``, default :mod:`native`)
-    at each row count, after checking its output against the Pallas kernel's; yields the records."""
+def sweep(weights, rows, candidates, *, runs: int):
+    """Times each candidate tile (``candidates[(variant, op)]``; None: the kernel's own choice) at
+    each row count, after checking its output against the Pallas kernel's; yields the records."""
     cc = 90
     rng = np.random.default_rng(0)
+    experts = weights[G].packed.shape[0]
     for m in rows:
-        g = jnp.asarray(group_sizes(m, "uniform", rng, experts=EXPERTS))
+        g = jnp.asarray(group_sizes(m, "uniform", rng, experts=experts))
         touched = int(np.count_nonzero(np.asarray(g)))
-        variant = "decode" if m <= 2 * 16 * EXPERTS else "prefill"
+        variant = "decode" if m <= 2 * 16 * experts else "prefill"
         for op, w in weights.items():
             n_w, k = w.packed.shape[1], 2 * w.packed.shape[2]
             xs = [jax.random.normal(jax.random.key(10 * m + i), (m, k), jnp.bfloat16) for i in range(2)]
             ref = np.asarray(pallas_run(op, xs[0], w, g, compute_capability=cc), np.float32)
             bytes_ = touched * n_w * (k // 2 + k // 16)
             for tile in candidates[(variant, op)]:
-                entry = {"op": op.value, "rows": m, "tile": dataclasses.asdict(tile), "weight_bytes": bytes_}
+                entry = {"op": op.value, "rows": m, "tile": "own choice" if tile is None else dataclasses.asdict(tile),
+                         "weight_bytes": bytes_}
                 try:
-                    fn = jax.jit(lambda x, w, g, tile=tile, op=op: kernels.run(op, x, w, g, compute_capability=cc,
-                                                                              tile=tile))
+                    fn = jax.jit(lambda x, w, g, tile=tile, op=op: native.run(op, x, w, g, compute_capability=cc,
+                                                                             tile=tile))
                     got = np.asarray(fn(xs[0], w, g), np.float32)
                     err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                     entry["relative_error_vs_pallas"] = err
@@ -94,13 +105,20 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[256, 2048, 65536])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--one-group", action="store_true",
+                        help="one expert holding every row (a shared expert): ONE_GROUP_CANDIDATES at --rows")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth(args.runs)
     results = {"device": jax.devices()[0].device_kind, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
-    for entry in sweep(kimi_weights(), args.rows, CANDIDATES, runs=args.runs):
+    if args.one_group:
+        weights, candidates = kimi_weights(1), {(v, op): ONE_GROUP_CANDIDATES for v in ("decode", "prefill") for op in (G, M)}
+    else:
+        weights, candidates = kimi_weights(), CANDIDATES
+    name = "one_group_sweep.json" if args.one_group else "native_sweep.json"
+    for entry in sweep(weights, args.rows, candidates, runs=args.runs):
         results["rows"].append(entry)
-        (args.out / "native_sweep.json").write_text(json.dumps(results, indent=1))
+        (args.out / name).write_text(json.dumps(results, indent=1))
     best = {}
     for r in results["rows"]:
         if "us" in r and ((r["op"], r["rows"]) not in best or r["us"] < best[(r["op"], r["rows"])]["us"]):
@@ -108,8 +126,8 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for (op, m), r in sorted(best.items()):
         t = r["tile"]
-        print(f"best {op} rows={m}: {r['us']:.1f} us, {r['tb_per_s']:.2f} TB/s, tile {t['block_m']}x{t['block_n']}x"
-              f"{t['block_k']} w{t['num_warps']} s{t['num_stages']}")
+        tile = t if isinstance(t, str) else f"{t['block_m']}x{t['block_n']}x{t['block_k']} w{t['num_warps']} s{t['num_stages']}"
+        print(f"best {op} rows={m}: {r['us']:.1f} us, {r['tb_per_s']:.2f} TB/s, tile {tile}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,35 @@ def test_every_native_tile_compiles_to_the_native_instruction(cc, key):
     assert 0 < record.shared_bytes <= record.shared_limit
 
 
+@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
+def test_one_small_group_gets_the_one_group_tile_which_compiles_to_wgmma(op):
+    """A Kimi K2 shared expert at decode (one group, 32 rows) on SM90 takes ``ONE_GROUP_TILES``;
+    more rows, more groups or an unmeasured capability keep the table's tile."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+
+    def spec(rows, experts, cc):
+        return native.make_spec(op, native.Mode.W4A16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
+                                scale_groups=1, compute_capability=cc)
+
+    def blocks(tile):
+        return tile.block_m, tile.block_n, tile.block_k, tile.num_warps
+
+    one = spec(32, 1, 90)
+    assert blocks(one.tile) == blocks(native.ONE_GROUP_TILES[90][op])
+    for rows, experts, cc in ((33, 1, 90), (32, 2, 90), (32, 1, 80)):
+        variant = tuning.choose_variant(num_rows=rows, num_experts=experts, compute_capability=cc)
+        assert blocks(spec(rows, experts, cc).tile) == blocks(native.NATIVE_TILES[cc][(variant, op)])
+    kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(one),
+                                  constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
+                                  num_stages=one.tile.num_stages, name=f"native_one_group_{op.value}")
+    assert re.search(EXPECTED[90][1], kernel.ptx)
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
+
+
 def test_offsets_past_int32_use_64_bit_bases():
     """Per expert and per row tile the kernel adds 64-bit bases; what stays 32-bit (offsets inside
     one expert's matrix and one row tile) fits at the largest published shapes."""
@@ -90,72 +119,6 @@ def test_w4a4_activation_rows_are_checked_field_by_field():
                             global_scale=jnp.ones((9,), jnp.float32))
     with pytest.raises(ValueError, match=r"^x\.global_scale: float32\[9\], expected float32 \[10\]$"):
         native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
-
-
-def _run_ptx(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Evaluates straight-line PTX of ``mov``/``cvt.u32.u16``/``prmt``/``shl``/``and``/``or`` on b32
-    and ``fma.rn.bf16x2`` by a power of two with -0 (exact), elementwise over uint64 arrays."""
-    regs = dict(operands)
-
-    def val(token):
-        token = token.strip()
-        return np.uint64(int(token, 0)) if token[0].isdigit() else regs[token]
-
-    def bf16x2(fn, a, b):  # per 16-bit half: bits -> float32 -> fn -> bits (exact for these inputs)
-        halves = []
-        for shift in (0, 16):
-            fa, fb = (((v >> np.uint64(shift)) & np.uint64(0xFFFF)).astype(np.uint32) << 16 for v in (a, b))
-            r = fn(fa.view(np.float32), fb.view(np.float32)).astype(np.float32).view(np.uint32)
-            assert np.all(r & 0xFFFF == 0), "inexact bf16 product"
-            halves.append((r >> 16).astype(np.uint64) << np.uint64(shift))
-        return halves[0] | halves[1]
-
-    for line in ptx.replace("{", "").replace("}", "").split(";"):
-        if not line.strip() or line.strip().startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        mask = np.uint64(0xFFFFFFFF)
-        match op:
-            case "mov.b32" | "cvt.u32.u16":
-                regs[d] = val(src[0]) & (mask if op == "mov.b32" else np.uint64(0xFFFF)) + np.zeros_like(
-                    next(iter(operands.values())))
-            case "shl.b32":
-                regs[d] = (val(src[0]) << val(src[1])) & mask
-            case "and.b32":
-                regs[d] = val(src[0]) & val(src[1])
-            case "or.b32":
-                regs[d] = val(src[0]) | val(src[1])
-            case "prmt.b32":
-                a, b, sel = val(src[0]), val(src[1]) + np.zeros_like(val(src[0])), int(src[2], 0)
-                pool = a | (b << np.uint64(32))
-                regs[d] = sum(((pool >> np.uint64(8 * ((sel >> (4 * i)) & 7))) & np.uint64(0xFF)) << np.uint64(8 * i)
-                              for i in range(4))
-                assert not sel & 0x8888, "sign-replicating selectors are not emulated"
-            case "fma.rn.bf16x2":  # the addend is -0: a product, exactly
-                assert np.all(regs[src[2]] == 0x80008000)
-                regs[d] = bf16x2(lambda x, y: x * y, val(src[0]), val(src[1]))
-            case _:
-                raise AssertionError(f"PTX op {op!r} not emulated")
-    return regs
-
-
-def test_w4a16_scale_pairs_are_e4m3_times_2_to_119():
-    """Every pair of E4M3 bytes, through :data:`native._SCALES_TO_BF16_PTX` as written: each bf16
-    half is exactly the E4M3 value times 2**119. (The NaN bytes 0x7f/0xff, which checkpoint loading
-    rejects, place as +-480: the same bits the kernel's earlier per-scale formula gave.)"""
-    pairs = np.arange(1 << 16, dtype=np.uint64)
-    out = _run_ptx(native._SCALES_TO_BF16_PTX.value.replace("$1", "in").replace("$0", "out"),
-                   {"in": pairs})["out"]
-    for half, shift in ((0, 0), (1, 8)):
-        codes = ((pairs >> np.uint64(shift)) & np.uint64(0xFF)).astype(np.uint8)
-        e4m3 = codes.view(jnp.float8_e4m3fn).astype(np.float32)
-        bits = ((out >> np.uint64(16 * half)) & np.uint64(0xFFFF)).astype(np.uint32) << 16
-        got = bits.view(np.float32)
-        finite = np.isfinite(e4m3)
-        np.testing.assert_array_equal(got[finite], e4m3[finite] * np.float32(2.0**119))
-        np.testing.assert_array_equal(np.abs(got[~finite]), np.float32(480 * 2.0**119))
-        assert (~finite).sum() == 2 * 256
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 256])

@@ -153,13 +153,16 @@ run_pass() {
 
 # Pass 1: the unmarked suites that run on the default backend and matter on a GPU, plus every
 # file that holds a gpu marker (its CPU tests come along; they are cheap).
+# The serving soaks (~130 s and ~150 s, each on one worker) come first, so that they run beside
+# the rest instead of after it, where a call's time limit cut them off twice.
+PASS1_FIRST="tests/test_serving_gpu.py"
 PASS1_SUITES="tests/test_layer.py tests/test_nvfp4.py tests/test_resolve.py tests/test_router.py
   tests/test_config.py tests/test_layer_pallas.py tests/pallas_kernels"
 if [[ -n "${GPU_CHECK_PASS1:-}" ]]; then
   pass1="$GPU_CHECK_PASS1"
 else
   marked="$(grep -rlE --include='test_*.py' 'mark\.gpu' tests | grep -v '^tests/pallas_kernels/' | sort)"
-  pass1="$(echo $PASS1_SUITES $marked | tr ' ' '\n' | awk 'NF && !seen[$0]++' | tr '\n' ' ')"
+  pass1="$(echo $PASS1_FIRST $PASS1_SUITES $marked | tr ' ' '\n' | awk 'NF && !seen[$0]++' | tr '\n' ' ')"
 fi
 passes="${GPU_CHECK_PASSES:-1 2}"
 if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then

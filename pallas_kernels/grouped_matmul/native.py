@@ -139,7 +139,7 @@ class NativeSpec:
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
-            BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            BLOCK_M=self.tile.block_m, TAIL_M=self.tile.tail_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
         )
 
@@ -211,7 +211,8 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+            TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
+            NUM_STAGES: tl.constexpr):
     """One ``[block_m, block_n]`` output tile of one expert's rows (see the module docstring).
 
     ``x_ptr``: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` with ``x_scale_ptr`` uint8 E4M3
@@ -219,6 +220,9 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
     ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
     caller passed one to write into, else a placeholder: never read).
+
+    ``TAIL_M`` (0: none): a row tile holding at most ``TAIL_M`` rows (an expert's last) runs as
+    a ``TAIL_M``-row tile, so its MMAs skip the padding rows a ``BLOCK_M``-row tile would compute.
     """
     num_n_tiles: tl.constexpr = N_OUT // BLOCK_N
     per_group: tl.constexpr = GROUP_T * num_n_tiles
@@ -231,63 +235,81 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     row_start = tl.load(tile_start_ptr + t)
     row_end = tl.load(tile_end_ptr + t)
     if row_start < row_end:
-        # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
-        # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
         expert = tl.load(tile_expert_ptr + t).to(tl.int64)
-        local_m = tl.arange(0, BLOCK_M)
-        row_ok_m = row_start + local_m < row_end
-        first_row = row_start.to(tl.int64)
-        # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
-        # one accumulator, split in the epilogue (two accumulators sharing one activation tile
-        # broke triton 3.6's tensor-memory pass for SM100).
-        R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
-        r = tl.arange(0, R)
-        half_r = r // BLOCK_N
-        w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-        if W4A4:
-            w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-        else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
-            w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                    + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
-        ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
-                 + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-        acc = tl.zeros((R, BLOCK_M), tl.float32)
-        if W4A4:
-            x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-            xs_at = (x_scale_ptr + first_row * (K // 16)
-                     + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-        else:
-            x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
-        for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
-            if W4A4:
-                w_rj = tl.load(w_at + i * (BLOCK_K // 2))
-                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-                x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
-                # A masked row's scales read as 0: its products vanish whatever its codes.
-                xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
-                acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
-                                    xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+        if TAIL_M > 0:
+            if row_end - row_start <= TAIL_M:
+                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             else:
-                x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
-                w_rw = tl.load(w_at + i * (BLOCK_K // 8))
-                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-                acc = tl.dot(_dequantize_w4a16(w_rw, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
-        # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
-        # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
+                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+        else:
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+
+
+@triton.jit
+def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
+          K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
+          W4A4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
+    """Rows ``[row_start, row_end)`` (at most ``BLOCK_M``, one expert's) x output tile ``j``."""
+    # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
+    # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
+    local_m = tl.arange(0, BLOCK_M)
+    row_ok_m = row_start + local_m < row_end
+    first_row = row_start.to(tl.int64)
+    # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
+    # one accumulator, split in the epilogue (two accumulators sharing one activation tile
+    # broke triton 3.6's tensor-memory pass for SM100).
+    R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
+    r = tl.arange(0, R)
+    half_r = r // BLOCK_N
+    w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
+    if W4A4:
+        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
+        w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
+                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
+    ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
+             + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    acc = tl.zeros((R, BLOCK_M), tl.float32)
+    if W4A4:
+        x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        xs_at = (x_scale_ptr + first_row * (K // 16)
+                 + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    else:
+        x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
         if W4A4:
-            row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
+            # A masked row's scales read as 0: its products vanish whatever its codes.
+            xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
+            acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
+                                xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
         else:
-            row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
-        w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
-        acc = acc * w_global_r[:, None] * row_factor[None, :]
-        if FUSED:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-            y = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            y = acc
-        cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
-        tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
+            x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
+            w_rw = tl.load(w_at + i * (BLOCK_K // 8))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            acc = tl.dot(_dequantize_w4a16(w_rw, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
+    # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
+    # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
+    if W4A4:
+        row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+    else:
+        row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+    w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
+    acc = acc * w_global_r[:, None] * row_factor[None, :]
+    if FUSED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = acc
+    cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
+    tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
 
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,

@@ -86,7 +86,8 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3), _p(128, 64, 128, 8, 3)),
+    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3),
+               _p(128, 64, 128, 8, 3, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
     120: _tiles(_d(16, 128, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 256, 4, 2), _p(64, 64, 256, 4, 2)),
@@ -102,6 +103,15 @@ NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
 ONE_GROUP_ROWS = 32
 ONE_GROUP_TILES: dict[int, dict[Op, TileConfig]] = {
     90: {Op.GATE_UP_SWIGLU: _d(32, 32, 256, 4, 3), Op.MATMUL: _d(64, 64, 128, 4, 3)},
+}
+
+
+# Prefill with many rows per expert (at least MANY_ROWS_PER_EXPERT on average; Kimi K2 at 8192
+# tokens has ~170): wider tiles whose extra rows share one dequantization, where the table's
+# prefill tile is faster at fewer rows (SM90, benchmarks/results/native_h200/).
+MANY_ROWS_PER_EXPERT = 128
+MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.MATMUL: _p(128, 128, 128, 8, 3, extra_m=64, tail_m=64)},
 }
 
 
@@ -139,7 +149,7 @@ class NativeSpec:
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
-            BLOCK_M=self.tile.block_m, TAIL_M=self.tile.tail_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
         )
 
@@ -211,9 +221,10 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
-            NUM_STAGES: tl.constexpr):
-    """One ``[block_m, block_n]`` output tile of one expert's rows (see the module docstring).
+            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
+    the module docstring).
 
     ``x_ptr``: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` with ``x_scale_ptr`` uint8 E4M3
     ``[M, K/16]`` and ``x_global_ptr`` float32 ``[M]`` (both unused by W4A16). ``w_ptr`` uint8
@@ -221,8 +232,10 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
     caller passed one to write into, else a placeholder: never read).
 
-    ``TAIL_M`` (0: none): a row tile holding at most ``TAIL_M`` rows (an expert's last) runs as
-    a ``TAIL_M``-row tile, so its MMAs skip the padding rows a ``BLOCK_M``-row tile would compute.
+    By the rows a tile holds (an expert's last tile holds fewer), the narrowest of three paths
+    that covers them, so that the MMAs skip most padding rows: at most ``TAIL_M`` (0: no such
+    path), at most ``BLOCK_M``, or (``EXTRA_M > 0``) up to ``BLOCK_M + EXTRA_M`` as two MMAs per
+    K step against the same dequantized weights (paid once for both).
     """
     num_n_tiles: tl.constexpr = N_OUT // BLOCK_N
     per_group: tl.constexpr = GROUP_T * num_n_tiles
@@ -236,29 +249,51 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     row_end = tl.load(tile_end_ptr + t)
     if row_start < row_end:
         expert = tl.load(tile_expert_ptr + t).to(tl.int64)
+        rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
         if TAIL_M > 0:
-            if row_end - row_start <= TAIL_M:
+            if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
             else:
-                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                           NUM_STAGES)
+        else:
+            _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                       NUM_STAGES)
+
+
+@triton.jit
+def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+               out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
+               W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
+    if EXTRA_M > 0:
+        if rows > BLOCK_M:
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
+    else:
+        _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
           K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
-          W4A4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          NUM_STAGES: tl.constexpr):
-    """Rows ``[row_start, row_end)`` (at most ``BLOCK_M``, one expert's) x output tile ``j``."""
+          W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
+    tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
     # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
+    first_row = row_start.to(tl.int64)
     local_m = tl.arange(0, BLOCK_M)
     row_ok_m = row_start + local_m < row_end
-    first_row = row_start.to(tl.int64)
     # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
     # one accumulator, split in the epilogue (two accumulators sharing one activation tile
     # broke triton 3.6's tensor-memory pass for SM100).
@@ -280,6 +315,16 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
                  + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     else:
         x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    if EXTRA_M > 0:
+        local_x = BLOCK_M + tl.arange(0, EXTRA_M)
+        row_ok_x = row_start + local_x < row_end
+        acc2 = tl.zeros((R, EXTRA_M), tl.float32)
+        if W4A4:
+            x2_at = x_ptr + first_row * (K // 2) + (local_x[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+            xs2_at = (x_scale_ptr + first_row * (K // 16)
+                      + (local_x[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+        else:
+            x2_at = x_ptr + first_row * K + (local_x[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
         if W4A4:
             w_rj = tl.load(w_at + i * (BLOCK_K // 2))
@@ -289,11 +334,33 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
             xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
             acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
                                 xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+            if EXTRA_M > 0:
+                x2_mj = tl.load(x2_at + i * (BLOCK_K // 2), mask=row_ok_x[:, None], other=0)
+                xs2_mb = tl.load(xs2_at + i * (BLOCK_K // 16), mask=row_ok_x[:, None], other=0)
+                acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
+                                     xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
         else:
             x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
             w_rw = tl.load(w_at + i * (BLOCK_K // 8))
             s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-            acc = tl.dot(_dequantize_w4a16(w_rw, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
+            w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
+            acc = tl.dot(w_rk, tl.trans(x_mk), acc)
+            if EXTRA_M > 0:
+                x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
+                acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
+    _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
+              FUSED, W4A4, BLOCK_M, BLOCK_N)
+    if EXTRA_M > 0:
+        _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
+                  G, FUSED, W4A4, EXTRA_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr,
+              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m``, applies SwiGLU
+    (fused op) and stores the rows ``row_ok_m`` marks."""
     # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
     # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
     if W4A4:
@@ -315,10 +382,14 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
               compute_capability: int, tile: TileConfig | None = None) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
-    (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows)."""
+    (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows,
+    :data:`MANY_ROWS_TILES` from :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
     check_capability(compute_capability)
     if tile is None and num_experts == 1 and num_rows <= ONE_GROUP_ROWS and compute_capability in ONE_GROUP_TILES:
         tile = ONE_GROUP_TILES[compute_capability][op]
+    elif (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
+          and op in MANY_ROWS_TILES.get(compute_capability, {})):
+        tile = MANY_ROWS_TILES[compute_capability][op]
     elif tile is None:
         variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
                                         compute_capability=compute_capability)
@@ -328,10 +399,13 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     # 4-stage prefill tile (one K step) while every longer K matched; one stage per step is what
     # such a short loop can use anyway.
     tile = dataclasses.replace(tile, num_stages=max(1, min(tile.num_stages, k // block_k)))
+    if tile.extra_m and compute_capability == 100:
+        raise ValueError(f"tile.extra_m: {tile.extra_m}, expected 0 on SM100 (a second accumulator sharing one "
+                         "operand broke triton 3.6's tensor-memory pass there)")
     return NativeSpec(
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
-        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m), scale_groups=scale_groups,
+        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
     )
 
 
@@ -482,7 +556,7 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scale
     """
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
 
-    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
+    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.rows_per_tile,
                                             num_tiles=spec.max_tiles)
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
@@ -510,4 +584,4 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "make_spec", "mode_for", "run"]
+__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "make_spec", "mode_for", "run"]

@@ -79,7 +79,7 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     if input_scale_e is not None:
         np.testing.assert_array_equal(x_global, global_m)
     schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m,
-                                            block_m=spec.tile.block_m, num_tiles=spec.max_tiles)
+                                            block_m=spec.tile.rows_per_tile, num_tiles=spec.max_tiles)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = [interpreted.buffer(np.asarray(a, np.int32), name)
@@ -166,6 +166,14 @@ def test_tail_tiles_at_their_boundaries(op):
     only its own rows."""
     tile = prefill_tile(32, 64, 256, 4, 2, tail_m=16)
     check(op, [16, 17, 0, 32, 48, 1, 49, 0, 15], cc=120, k=512, n_out=128, tile=tile, seed=11)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_extended_tiles_at_their_boundaries(op):
+    """Tiles of ``block_m + extra_m`` rows (the extra ones in a second accumulator) beside tail
+    and ``block_m``-row tiles: experts of each path's size, one row more and one row less."""
+    tile = prefill_tile(32, 64, 256, 4, 2, extra_m=16, tail_m=16)
+    check(op, [16, 17, 32, 33, 48, 0, 49, 1, 47, 96, 97, 0], cc=120, k=512, n_out=128, tile=tile, seed=12)
 
 
 @pytest.mark.parametrize("cc", [100, 120])

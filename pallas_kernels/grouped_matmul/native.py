@@ -87,7 +87,7 @@ NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
     90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3),
-               _p(128, 64, 128, 8, 3, extra_m=64, tail_m=64)),
+               _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
     120: _tiles(_d(16, 128, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 256, 4, 2), _p(64, 64, 256, 4, 2)),
@@ -135,6 +135,7 @@ class NativeSpec:
     block_n: int
     max_tiles: int
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
+    out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
 
     @property
     def weight_rows(self) -> int:
@@ -151,6 +152,7 @@ class NativeSpec:
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
+            OUT_K_ORDER=self.out_k_order,
         )
 
 
@@ -222,7 +224,7 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
             EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+            GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
     the module docstring).
 
@@ -253,40 +255,41 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+                      OUT_K_ORDER)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
                            w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
-                           NUM_STAGES)
+                           NUM_STAGES, OUT_K_ORDER)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
                        w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
-                       NUM_STAGES)
+                       NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
                out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
                W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES)
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
           K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
           W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
@@ -349,18 +352,19 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
                 x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
                 acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
     _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
-              FUSED, W4A4, BLOCK_M, BLOCK_N)
+              FUSED, W4A4, BLOCK_M, BLOCK_N, OUT_K_ORDER)
     if EXTRA_M > 0:
         _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
-                  G, FUSED, W4A4, EXTRA_M, BLOCK_N)
+                  G, FUSED, W4A4, EXTRA_M, BLOCK_N, OUT_K_ORDER)
 
 
 @triton.jit
 def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr,
               N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m``, applies SwiGLU
-    (fused op) and stores the rows ``row_ok_m`` marks."""
+    (fused op) and stores the rows ``row_ok_m`` marks, columns in :func:`permute_k`'s order for
+    ``block_k = OUT_K_ORDER`` if that is not 0."""
     # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
     # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
     if W4A4:
@@ -375,12 +379,17 @@ def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr
     else:
         y = acc
     cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if OUT_K_ORDER > 0:  # where permute_k(out, OUT_K_ORDER) puts each column
+        g_groups: tl.constexpr = OUT_K_ORDER // 32
+        o = cols_n % OUT_K_ORDER
+        c, g, t, g0, h = o // (8 * g_groups), (o // 8) % g_groups, (o // 4) % 2, (o // 2) % 2, o % 2
+        cols_n = cols_n - o + (32 * g + 16 * g0 + 8 * h + 2 * c + t)
     out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
     tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
 
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
-              compute_capability: int, tile: TileConfig | None = None) -> NativeSpec:
+              compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
     (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows,
     :data:`MANY_ROWS_TILES` from :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
@@ -406,6 +415,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
         max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
+        out_k_order=out_k_order,
     )
 
 
@@ -472,7 +482,7 @@ def _check_weights(w, name: str, op: Op, num_experts: int, k: int) -> tuple[int,
 
 
 def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
-        tile: TileConfig | None = None, out=None) -> jax.Array:
+        tile: TileConfig | None = None, out=None, out_k_order: int = 0, x_k_order: int = 0) -> jax.Array:
     """One native kernel: ``op`` on the rows of ``x`` with NVFP4 weights ``w``.
 
     Args:
@@ -488,6 +498,11 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
       tile: overrides the tile table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
         kernel does not write keep its values.
+      out_k_order: W4A16 only; 0, or the ``block_k`` of a W4A16 kernel that reads this output
+        next (:func:`k_order`): the columns are written in its :func:`permute_k` order, so that
+        it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
+      x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
+        ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype, capability or mode.
@@ -511,19 +526,36 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
     if m == 0:
         return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+    if (out_k_order or x_k_order) and mode is not Mode.W4A16:
+        raise ValueError(f"out_k_order={out_k_order}, x_k_order={x_k_order}: expected 0 for {mode.value} (the "
+                         "column orders are those of the W4A16 kernels)")
+    if out_k_order and (out_k_order < K_MULTIPLE or out_k_order & (out_k_order - 1) or n_out % out_k_order):
+        raise ValueError(f"out_k_order: {out_k_order}, expected 0 or a power of two >= {K_MULTIPLE} dividing the "
+                         f"output's {n_out} columns")
     spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
-                     compute_capability=compute_capability, tile=tile)
+                     compute_capability=compute_capability, tile=tile, out_k_order=out_k_order)
+    if x_k_order and x_k_order != spec.block_k:
+        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's block_k {spec.block_k} (k_order())")
     match mode:
         case Mode.W4A4:
             rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
         case Mode.W4A16:
             # x's columns in the dequantized tiles' order; the one-element placeholders (unread
             # by W4A16) keep a single kernel signature.
-            rows = (permute_k(x, spec.block_k), jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
+            x_perm = x if x_k_order else permute_k(x, spec.block_k)
+            rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
     return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
                   w.global_scale.reshape(num_experts, groups), out)
+
+
+def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
+            tile: TileConfig | None = None) -> int:
+    """The ``block_k`` whose :func:`permute_k` column order a W4A16 launch of these shapes reads
+    ``x`` in (for ``out_k_order`` of the kernel that writes ``x``)."""
+    return make_spec(op, Mode.W4A16, num_rows=num_rows, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
+                     compute_capability=compute_capability, tile=tile).block_k
 
 
 def _same_varying_axes(outputs, operands):
@@ -584,4 +616,4 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "make_spec", "mode_for", "run"]
+__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "k_order", "make_spec", "mode_for", "run"]

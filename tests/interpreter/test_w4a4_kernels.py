@@ -59,7 +59,8 @@ def random_weights(rng, experts: int, n_w: int, k: int, scale_groups: int, used=
 
 
 def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, group_sizes: np.ndarray, *,
-                    cc: int, variant: Variant | None = None, tile=None, input_scale_e: np.ndarray | None = None):
+                    cc: int, variant: Variant | None = None, tile=None, input_scale_e: np.ndarray | None = None,
+                    out_k_order: int = 0):
     """The kernel on ``x_mk`` (float32, quantized per row first, as the layer does: against each
     row's expert's static ``input_scale_e`` float32 ``[E]`` when given, padding rows the last
     expert's, else dynamically); returns (bf16 output as float64 with NaN where unwritten, the
@@ -71,7 +72,7 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     if variant is not None:
         tile = native.NATIVE_TILES[cc][(variant, op)]
     spec = native.make_spec(op, native.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                            scale_groups=groups, compute_capability=cc, tile=tile)
+                            scale_groups=groups, compute_capability=cc, tile=tile, out_k_order=out_k_order)
     global_m = None
     if input_scale_e is not None:
         global_m = jnp.asarray(np.repeat(input_scale_e, group_sizes)[np.minimum(np.arange(m), group_sizes.sum() - 1)])
@@ -114,7 +115,7 @@ def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.nda
 
 
 def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, tile=None, experts=None, used=None,
-          seed=0, padding=3, input_scale_e=None):
+          seed=0, padding=3, input_scale_e=None, out_k_order=0):
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes)
     experts = experts or len(group_sizes)
@@ -123,8 +124,10 @@ def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, tile=N
     total = int(group_sizes.sum())
     x = rng.standard_normal((total + padding, k)).astype(np.float32)
     got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant,
-                                      tile=tile, input_scale_e=input_scale_e)
+                                      tile=tile, input_scale_e=input_scale_e, out_k_order=out_k_order)
     want = reference(op, a_mk, packed, scales, global_scale, group_sizes)
+    if out_k_order:
+        want = native.permute_k(want, out_k_order)
     assert np.isnan(got[total:]).all(), "padding rows were written"
     assert np.isfinite(got[:total]).all(), f"{np.count_nonzero(~np.isfinite(got[:total]))} outputs not written"
     err = np.linalg.norm(got[:total] - want) / np.linalg.norm(want)
@@ -174,6 +177,15 @@ def test_extended_tiles_at_their_boundaries(op):
     and ``block_m``-row tiles: experts of each path's size, one row more and one row less."""
     tile = prefill_tile(32, 64, 256, 4, 2, extra_m=16, tail_m=16)
     check(op, [16, 17, 32, 33, 48, 0, 49, 1, 47, 96, 97, 0], cc=120, k=512, n_out=128, tile=tile, seed=12)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("order", [64, 128])
+def test_output_columns_in_the_next_kernels_order(op, order):
+    """``out_k_order``: each column lands where ``permute_k`` (the W4A16 kernels' order for
+    that ``block_k``) puts it, from tiles of 32 columns (the order's chunks span several)."""
+    tile = prefill_tile(32, 32, 256, 4, 2, extra_m=16, tail_m=16)
+    check(op, [16, 40, 0, 7], cc=120, k=512, n_out=256, tile=tile, seed=13 + order, out_k_order=order)
 
 
 @pytest.mark.parametrize("cc", [100, 120])

@@ -77,9 +77,10 @@ def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey,
 _d, _p = tuning.decode_tile, tuning.prefill_tile
 
 
-# Per capability. SM90: the fastest of a sweep on an H200 at Kimi K2's real size (384 experts;
-# benchmarks/native_sweep.py, benchmarks/results/native_h200/native_sweep.json): decode at 256 and
-# 2048 rows, prefill at 65536. SM100 and SM120 are sized to the chips (tcgen05 wants 128 MMA rows;
+# Per capability. SM90: the fastest of sweeps on an H200 at Kimi K2's real size (384 experts,
+# benchmarks/native_sweep.py): decode at 256 and 2048 rows (results/native_h200/native_sweep.json);
+# prefill at 16384 and 65536 (native_sweep_4bd90d1_extra_rows.json: the fused gate/up 4.24 and
+# 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and SM120 are sized to the chips (tcgen05 wants 128 MMA rows;
 # SM120 has about 99 KB of shared memory per block) and cross-compiled in CI
 # (tests/pallas_kernels/test_native_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
 # with fewer stages (mma.sync, less shared memory), not run.
@@ -108,7 +109,8 @@ ONE_GROUP_TILES: dict[int, dict[Op, TileConfig]] = {
 
 # Prefill with many rows per expert (at least MANY_ROWS_PER_EXPERT on average; Kimi K2 at 8192
 # tokens has ~170): wider tiles whose extra rows share one dequantization, where the table's
-# prefill tile is faster at fewer rows (SM90, benchmarks/results/native_h200/).
+# prefill tile is faster at fewer rows. SM90 down projection (native_sweep_4bd90d1_extra_rows.json):
+# 4.77 ms against 5.80 for the table's tile at 65536 rows; 2.42 against 1.92 at 16384.
 MANY_ROWS_PER_EXPERT = 128
 MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
     90: {Op.MATMUL: _p(128, 128, 128, 8, 3, extra_m=64, tail_m=64)},

@@ -179,3 +179,13 @@ def test_remaining_on_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, str(TOOL), "--remaining", str(tmp_path / "ids.txt"), str(tmp_path / "a.xml")],
                          capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == COLLECTED[1:]
+
+
+def test_nothing_remaining_prints_nothing(tmp_path):
+    """No test left: no output at all (a blank line would reach pytest as one empty path, which
+    it takes for its whole rootdir: a second call once ran the whole suite so)."""
+    (tmp_path / "ids.txt").write_text("\n".join(COLLECTED) + "\n")
+    (tmp_path / "a.xml").write_text(PASSING)
+    out = subprocess.run([sys.executable, str(TOOL), "--remaining", str(tmp_path / "ids.txt"), str(tmp_path / "a.xml")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout == ""

@@ -308,7 +308,10 @@ def main(argv=None) -> int:
             print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML", file=sys.stderr)
             return 2
         collected = (_read(argv[1]) or "").split("\n")
-        print("\n".join(remaining([c.strip() for c in collected if c.strip()], parse_junit(argv[2]))))
+        # One id a line and nothing at all when none is left (a blank line would read as one id,
+        # "", which pytest takes for its whole rootdir).
+        for test_id in remaining([c.strip() for c in collected if c.strip()], parse_junit(argv[2])):
+            print(test_id)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

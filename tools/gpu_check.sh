@@ -182,8 +182,7 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
   CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -p no:cacheprovider -q --collect-only $pass1 2>/dev/null \
     | grep '::' > "$out/pass1_collected.txt"
   record_args+=(--collected pass1_collected.txt)
-  mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml" \
-    | grep -v '^[[:space:]]*$')
+  mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml")
   echo "== continuing pass 1 of $prev: ${#pass1_left[@]} of $(wc -l < "$out/pass1_collected.txt") collected tests left"
   if (( ${#pass1_left[@]} )); then
     run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \

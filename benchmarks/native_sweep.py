@@ -45,12 +45,14 @@ CANDIDATES = {
                     decode_tile(16, 32, 256, 4, 4)],
     ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 512, 4, 2),
                     decode_tile(16, 128, 256, 4, 3)],
-    ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64), prefill_tile(128, 64, 128, 8, 3, tail_m=64),
+    ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
+                     prefill_tile(128, 64, 128, 8, 3, tail_m=64),
                      prefill_tile(128, 64, 64, 8, 3, extra_m=64, tail_m=64), prefill_tile(64, 64, 64, 4, 3, extra_m=64),
                      prefill_tile(64, 64, 64, 4, 3, extra_m=64, tail_m=32),
                      prefill_tile(128, 64, 128, 8, 4, extra_m=64, tail_m=64)],
     ("prefill", M): [prefill_tile(64, 128, 128, 4, 3), prefill_tile(128, 128, 128, 8, 3, extra_m=64, tail_m=64),
-                     prefill_tile(128, 256, 64, 8, 3, tail_m=64), prefill_tile(128, 128, 64, 8, 3, extra_m=64, tail_m=64),
+                     prefill_tile(128, 256, 64, 8, 3, tail_m=64),
+                     prefill_tile(128, 128, 64, 8, 3, extra_m=64, tail_m=64),
                      prefill_tile(64, 128, 64, 4, 3, extra_m=64), prefill_tile(64, 128, 64, 4, 4, extra_m=64),
                      prefill_tile(64, 128, 64, 4, 3, extra_m=64, tail_m=32)],
 }
@@ -131,7 +133,8 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for (op, m), r in sorted(best.items()):
         t = r["tile"]
-        tile = t if isinstance(t, str) else (f"{t['block_m']}x{t['block_n']}x{t['block_k']} w{t['num_warps']} s{t['num_stages']}"
+        tile = t if isinstance(t, str) else (f"{t['block_m']}x{t['block_n']}x{t['block_k']} "
+                                             f"w{t['num_warps']} s{t['num_stages']}"
                                              f" extra {t['extra_m']} tail {t['tail_m']}")
         print(f"best {op} rows={m}: {r['us']:.1f} us, {r['tb_per_s']:.2f} TB/s, tile {tile}")
 

@@ -80,8 +80,9 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 # Per capability. SM90: the fastest of sweeps on an H200 at Kimi K2's real size (384 experts,
 # benchmarks/native_sweep.py): decode at 256 and 2048 rows (results/native_h200/native_sweep.json);
 # prefill at 16384 and 65536 (native_sweep_4bd90d1_extra_rows.json: the fused gate/up 4.24 and
-# 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and SM120 are sized to the chips (tcgen05 wants 128 MMA rows;
-# SM120 has about 99 KB of shared memory per block) and cross-compiled in CI
+# 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and
+# SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared
+# memory per block) and cross-compiled in CI
 # (tests/pallas_kernels/test_native_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
 # with fewer stages (mma.sync, less shared memory), not run.
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
@@ -152,7 +153,8 @@ class NativeSpec:
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
-            BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
+            BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
             OUT_K_ORDER=self.out_k_order,
         )
@@ -618,4 +620,5 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "k_order", "make_spec", "mode_for", "run"]
+__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "k_order",
+           "make_spec", "mode_for", "run"]

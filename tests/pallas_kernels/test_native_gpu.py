@@ -99,6 +99,25 @@ def test_native_row_paths_at_their_boundaries(rng, op):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [64, 1], ids=["routed", "shared"])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_native_at_the_serving_soaks_shapes(rng, op, experts):
+    """Every bucket of ``test_serving_gpu.py``'s soak (16 to 8192 tokens, top-8 of 64 experts
+    at H=1024, F=512, and its shared expert as one group of all tokens), part-filled as a
+    bucket is: each tile family (decode, one group, prefill with tails and extra rows, many
+    rows) at row counts the layer gives it, with the unfilled rows NaN-poisoned."""
+    from moe_jax.serving import token_buckets
+
+    h, f, top_k = 1024, 512, 8
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    rows_per_token = top_k if experts > 1 else 1
+    for bucket in token_buckets(8192):
+        tokens = bucket if bucket == 8192 else int(rng.integers(bucket // 2 + 1, bucket + 1))
+        sizes = rng.multinomial(tokens * rows_per_token, rng.dirichlet(np.ones(experts))).astype(np.int32)
+        _check(rng, op, experts, k, n_out, sizes, padding=(bucket - tokens) * rows_per_token)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows_per_expert", [3, 150])
 def test_native_gate_up_writes_the_down_kernels_column_order(rng, rows_per_expert):
     """``out_k_order``/``x_k_order`` (W4A16): the gate/up output in the down kernel's column

@@ -189,3 +189,25 @@ def test_nothing_remaining_prints_nothing(tmp_path):
     out = subprocess.run([sys.executable, str(TOOL), "--remaining", str(tmp_path / "ids.txt"), str(tmp_path / "a.xml")],
                          capture_output=True, text=True, check=True)
     assert out.stdout == ""
+
+
+CRASHED = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="0" skipped="0" tests="1" time="300.0">
+<testcase classname="tests.test_serving_gpu" file="tests/test_serving_gpu.py" line="11"
+  name="test_soak_on_gpu[nvfp4]" time="0.0">
+  <error message="worker 'gw2' crashed while running 'tests/test_serving_gpu.py::test_soak_on_gpu[nvfp4]'">
+  worker 'gw2' crashed</error></testcase>
+</testsuite></testsuites>
+"""
+
+
+@pytest.mark.parametrize("method,noted", [("--timeout=240 --timeout-method=thread", True), ("", False)])
+def test_a_crashed_worker_is_said_to_be_possibly_a_timeout_under_the_thread_method(method, noted):
+    # xdist reports a worker that pytest-timeout's thread method ended exactly as a crash.
+    crashed = dataclasses.replace(_pass(CRASHED, rc=1), command=f"python3 -m pytest -n 4 {method} tests/x.py")
+    text, ok = _render([crashed])
+    assert not ok
+    note = [line for line in text.splitlines() if "crashed with no traceback" in line]
+    assert len(note) == noted
+    if noted:
+        assert "per-test limit (240 s here" in note[0]

@@ -29,7 +29,8 @@
 #   GPU_CHECK_BUDGET_S=560         seconds for the whole script (the device call allows 600)
 #   GPU_CHECK_PASS1_S=420          upper bound for pass 1
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
-#   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed
+#   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed (a test's own
+#                                  timeout marker wins)
 #   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
 #   GPU_CHECK_CONTINUE=DIR         finish a pass 1 that an earlier call at the same code left unfinished
 #                                  (its time limit cut it off): DIR is that call's output folder (carry it
@@ -124,7 +125,9 @@ fi
 pytest_opts=(-p no:cacheprovider -q --tb=short -o junit_family=xunit1 -o junit_logging=no)
 if [[ "$workers" != 0 ]]; then pytest_opts+=(-n "$workers"); fi
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-  # thread method: a test stuck inside a CUDA call is still stopped (its worker is replaced).
+  # thread method: a test stuck inside a CUDA call is still stopped, by ending its worker, which
+  # xdist reports as a crash with no traceback (the record says so). A test that needs longer
+  # carries its own @pytest.mark.timeout.
   pytest_opts+=(--timeout="${GPU_CHECK_TEST_S:-240}" --timeout-method=thread)
 fi
 

@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import datetime
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -264,6 +265,7 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
                 f"errors {counts[ERROR]} (of {len(p.tests)})", ""]
         if p.rc != 0 and not (counts[FAILED] or counts[ERROR]) and p.log_tail:
             out += ["End of the log:", "", "```", p.log_tail.rstrip(), "```", ""]
+        out += _crash_note(p)
         out += ["| test | outcome | s | detail |", "| --- | --- | --- | --- |"]
         for t in sorted(p.tests, key=lambda t: t.test_id):
             detail = "; ".join([t.detail] * bool(t.detail) + [f"{k}={v}" for k, v in t.properties])
@@ -273,6 +275,19 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
         out += ["", f"## pytest: {n.label}", "", f"not run: {n.reason}"]
     out += ["", "## Verdict", "", line, ""]
     return "\n".join(out), ok
+
+
+def _crash_note(p: PassResult) -> list[str]:
+    """Why a crashed xdist worker may be a timeout: pytest-timeout's thread method stops a test
+    past its limit by ending the worker's process, which xdist reports as a crash with no
+    traceback, exactly as it reports a segfault or an abort."""
+    limit = re.search(r"--timeout=(\d+)", p.command)
+    crashed = [t.test_id for t in p.tests or () if "crashed while running" in t.detail]
+    if not (crashed and limit and "--timeout-method=thread" in p.command):
+        return []
+    return [f"{len(crashed)} worker(s) crashed with no traceback. pytest-timeout's thread method ends a worker "
+            f"so when its test runs past the per-test limit ({limit.group(1)} s here, GPU_CHECK_TEST_S, or "
+            "the test's own timeout marker): run such a test alone to tell a timeout from a crash.", ""]
 
 
 def _read(path: str, default: str | None = None) -> str | None:

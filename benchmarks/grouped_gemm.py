@@ -9,11 +9,15 @@ Times, in one run:
 * ``jax.lax.ragged_dot`` (bf16);
 * JAX's Mosaic GPU ``ragged_dot_mgpu`` (bf16), after a small tuning sweep like its ``main()``;
 * ``torch._grouped_mm`` (bf16, CUTLASS) when torch is importable;
+* tokamax's ``ragged_dot`` with ``implementation="mosaic"`` (its Pallas Mosaic GPU kernels) in
+  bf16 and with int4 weights (``qwix.quantize``, one scale per 128 of K), when tokamax is
+  importable (a failure, an import error included, is recorded as that peer's result);
 
-at Kimi K2 shapes with 48 local experts (EP 8): gate_up N=4096 K=7168, down N=7168 K=2048,
-M in {128, 512, 2048, 8192, 32768}, uniform and Zipf-skewed routing; then the full NVFP4 expert
-MLP (gate_up_swiglu + down) at M=512 against its byte floor at the copy bandwidth measured in
-the same run.
+at Kimi K2 shapes: gate_up N=4096 K=7168, down N=7168 K=2048, with ``--experts`` experts on the
+GPU (384: Kimi K2 on one GPU, the default; 48: EP 8's local share), M in {128, 512, 2048, 8192,
+32768}, uniform and Zipf-skewed routing. Each case has its NVFP4 byte floor (the codes and block
+scales of the experts that get rows, x read, y written) at the copy bandwidth measured in the
+same run; then the full NVFP4 expert MLP (gate_up_swiglu + down) at M=512 against its floor.
 
 Timing: JAX ops with CUPTI kernel time (``jax.experimental.mosaic.gpu.profiler.measure``),
 torch with CUDA events. Every timed run executes the op on several input sets in turn (x and
@@ -26,6 +30,7 @@ Usage::
     python benchmarks/grouped_gemm.py --out DIR          # the benchmark (JSON, markdown, PNG)
     python benchmarks/grouped_gemm.py --sweep --out DIR  # tile sweep for our kernels
     python benchmarks/grouped_gemm.py --out DIR --routings uniform --no-mgpu --rows 128 32768  # shorter
+    python benchmarks/grouped_gemm.py --out DIR --experts 48             # EP 8's local experts
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import numpy as np  # noqa: E402
 from moe_jax import nvfp4  # noqa: E402
 from pallas_kernels.grouped_matmul import Op, Variant, run, tuning  # noqa: E402
 
-EXPERTS = 48
+EXPERTS = 384  # the default of --experts
 PROJECTIONS = {"gate_up": (4096, 7168), "down": (7168, 2048)}  # (N, K)
 ROWS = (128, 512, 2048, 8192, 32768)
 ROUTINGS = ("uniform", "zipf")
@@ -63,6 +68,12 @@ MLP_ROWS = 512
 MGPU_SWEEP = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=4, grid_block_n=1)
               for bm, bn in ((64, 256), (128, 256), (64, 128))]
 MGPU_SWEEP_ROWS = 32768
+
+
+# ``jax.lax.ragged_dot`` is timed where rows x experts is at most this (XLA:GPU lowers it densely,
+# every expert for every row: ~0.1 s a call at 48 experts and M=8192).
+RAGGED_DOT_MAX_ROW_EXPERTS = 48 * 32768
+TOKAMAX_INT4_TILE_K = 128
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -81,14 +92,47 @@ def group_sizes(rows: int, routing: str, rng, *, experts: int = EXPERTS) -> np.n
     return rng.multinomial(rows, p).astype(np.int32)
 
 
+def weight_copies(experts: int) -> int:
+    """How many copies of each weight the timed calls alternate between: two at 48 experts, where
+    they fit beside every peer; one above (Kimi K2's gate_up is 22.5 GB per bf16 copy at 384
+    experts, and one projection's weights are hundreds of times the 50 MB L2 either way)."""
+    return 2 if experts <= 48 else 1
+
+
 @functools.cache
-def weights(n: int, k: int, copy: int):
-    """bf16 ``[E, N, K]``, its ``[E, K, N]`` transpose and its NVFP4 quantization (on device)."""
+def weights(n: int, k: int, copy: int, experts: int):
+    """bf16 ``w_enk`` ``[E, N, K]``, its transpose ``w_ekn`` ``[E, K, N]`` and the NVFP4
+    quantization of ``w_enk`` (on device). Drawn and quantized 16 experts at a time: at once, Kimi
+    K2's gate_up would pass through 45 GB of float32 at 384 experts."""
     key = jax.random.key(1000 * n + k + copy)
-    w = (jax.random.normal(key, (EXPERTS, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    w_t = jnp.swapaxes(w, 1, 2).copy()
-    q = jax.jit(lambda v: nvfp4.quantize(v.astype(jnp.float32)))(w)
-    return jax.block_until_ready((w, w_t, q))
+    normal = jax.jit(lambda key, e: (jax.random.normal(key, (e, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16),
+                     static_argnums=1)
+    w_enk = _concatenate([normal(jax.random.fold_in(key, e), min(16, experts - e)) for e in range(0, experts, 16)])
+    w_ekn = jnp.swapaxes(w_enk, 1, 2)  # a new array: eager swapaxes materializes the transpose
+    quantize = jax.jit(lambda v: nvfp4.quantize(v.astype(jnp.float32)))
+    q = _concatenate([quantize(w_enk[e:e + 16]) for e in range(0, experts, 16)])
+    return jax.block_until_ready((w_enk, w_ekn, q))
+
+
+def _concatenate(chunks):
+    """Pytrees of arrays (bf16 weights, NVFP4 or qwix quantizations) joined along the expert axis."""
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *chunks) if len(chunks) > 1 else chunks[0]
+
+
+@functools.cache
+def int4_weights(n: int, k: int, copy: int, experts: int):
+    """``w_ekn`` of :func:`weights` as qwix int4 (one bf16 scale per :data:`TOKAMAX_INT4_TILE_K` of K
+    and column), the layout tokamax's quantized ``ragged_dot`` takes."""
+    import qwix  # noqa: PLC0415 (optional: tokamax's quantization library)
+
+    w_ekn = weights(n, k, copy, experts)[1]
+    quantize = jax.jit(lambda v: qwix.quantize(v, jnp.int4, tiled_axes={0: 1, 1: TOKAMAX_INT4_TILE_K, 2: 1}))
+    return jax.block_until_ready(_concatenate([quantize(w_ekn[e:e + 16]) for e in range(0, experts, 16)]))
+
+
+def nvfp4_bytes_per_expert(n: int, k: int) -> int:
+    """E2M1 codes (half a byte per weight) and E4M3 block scales (one per 16 weights)."""
+    return n * k // 2 + n * k // 16
 
 
 def x_sets(rows: int, k: int, count: int, seed: int):
@@ -170,6 +214,16 @@ def ragged_dot(x, w, w_t, q, g):
     return jax.lax.ragged_dot(x, w_t, g, preferred_element_type=jnp.bfloat16)
 
 
+def tokamax_fn():
+    """tokamax's ``ragged_dot`` on its Mosaic GPU kernels; ``fn(x, w_ekn, g)``, ``w_ekn`` bf16 or a
+    qwix int4 QArray (:func:`int4_weights`)."""
+    import tokamax  # noqa: PLC0415 (optional peer)
+
+    def fn(x, w_ekn, g):
+        return tokamax.ragged_dot(x, w_ekn, g, preferred_element_type=jnp.bfloat16, implementation="mosaic")
+    return fn
+
+
 def mgpu(config):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415 (Hopper only)
 
@@ -194,17 +248,23 @@ class Case:
     rows: int
     active_experts: int
     results: dict  # impl -> {"ms": float} or {"error": str}
+    nvfp4_floor_ms: float | None = None  # the NVFP4 GEMM's bytes at the run's copy bandwidth
 
 
-def jax_arg_sets(rows, n, k, routing, seed, count):
+def jax_arg_sets(rows, n, k, routing, seed, count, experts):
     rng = np.random.default_rng(seed)
     sets, sizes = [], []
     for i, x in enumerate(x_sets(rows, k, count, seed)):
-        g = group_sizes(rows, routing, rng)
+        g = group_sizes(rows, routing, rng, experts=experts)
         sizes.append(g)
-        w, w_t, q = weights(n, k, i % 2)
+        w, w_t, q = weights(n, k, i % weight_copies(experts), experts)
         sets.append((x, w, w_t, q, jnp.asarray(g)))
     return sets, sizes
+
+
+def int4_arg_sets(sets, n, k, experts):
+    """``(x, w_ekn as int4, g)`` for :func:`tokamax_fn`, the weights' copy as in ``sets``."""
+    return [(x, int4_weights(n, k, i % weight_copies(experts), experts), g) for i, (x, _, _, _, g) in enumerate(sets)]
 
 
 def torch_arg_sets(sets):
@@ -229,8 +289,8 @@ def measure(label, fn, results):
     print(f"    {label:<24} {status}   ({time.time() - start:.1f}s)", flush=True)
 
 
-def mgpu_sweep(n, k, rows, runs):
-    sets, _ = jax_arg_sets(rows, n, k, "uniform", 7, 2)
+def mgpu_sweep(n, k, rows, runs, experts):
+    sets, _ = jax_arg_sets(rows, n, k, "uniform", 7, 2, experts)
     best, log = None, []
     for config in MGPU_SWEEP:
         if n % (config["grid_block_n"] * config["block_n"]):
@@ -250,22 +310,27 @@ def mgpu_sweep(n, k, rows, runs):
 # --- the benchmark -----------------------------------------------------------------------------
 
 
-def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = None):
-    runs = args.runs
+def benchmark(args, cc: int, have_torch: bool, bandwidth: float, partial: pathlib.Path | None = None):
+    runs, experts = args.runs, args.experts
     cases: list[Case] = []
     sweeps = {}
     best_mgpu = {}
     native = _native_available()
     for projection, (n, k) in PROJECTIONS.items():
         if args.mgpu:
-            best_mgpu[projection], sweeps[f"{projection}_M{MGPU_SWEEP_ROWS}"] = mgpu_sweep(n, k, MGPU_SWEEP_ROWS, runs)
+            best_mgpu[projection], sweeps[f"{projection}_M{MGPU_SWEEP_ROWS}"] = mgpu_sweep(
+                n, k, MGPU_SWEEP_ROWS, runs, experts)
+            weights.cache_clear()
     for projection, (n, k) in PROJECTIONS.items():
         for routing in args.routings:
             for rows in args.rows:
                 count = 4 if rows <= 2048 else 2
-                sets, sizes = jax_arg_sets(rows, n, k, routing, rows + 17, count)
-                active = int(np.mean([np.count_nonzero(s) for s in sizes]))
-                print(f"{projection} {routing} M={rows} (active experts ~{active})", flush=True)
+                sets, sizes = jax_arg_sets(rows, n, k, routing, rows + 17, count, experts)
+                touched = float(np.mean([np.count_nonzero(s) for s in sizes]))
+                active = int(touched)
+                floor_ms = (touched * nvfp4_bytes_per_expert(n, k) + rows * (k + n) * 2) / bandwidth * 1e3
+                print(f"{projection} {routing} M={rows} (active experts ~{active}, "
+                      f"NVFP4 floor {floor_ms * 1e3:.1f} us)", flush=True)
                 results: dict = {}
                 measure("ours_bf16", lambda: time_jax(ours(Op.MATMUL, "bf16", cc), sets, runs), results)
                 measure("ours_nvfp4", lambda: time_jax(ours(Op.MATMUL, "nvfp4", cc), sets, runs), results)
@@ -280,7 +345,8 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
                     measure("ours_swiglu_nvfp4", lambda: time_jax(ours(Op.GATE_UP_SWIGLU, "nvfp4", cc), sets, runs),
                             results)
                 slow_sets = sets[:1] if rows >= 8192 else sets  # ragged_dot takes ~0.1 s a call there.
-                measure("jax_ragged_dot", lambda: time_jax(ragged_dot, slow_sets, runs), results)
+                if rows * experts <= RAGGED_DOT_MAX_ROW_EXPERTS:
+                    measure("jax_ragged_dot", lambda: time_jax(ragged_dot, slow_sets, runs), results)
                 config = best_mgpu.get(projection)
                 if args.mgpu and config is None:
                     results["ragged_dot_mgpu"] = {"error": "no configuration of the sweep compiled"}
@@ -290,23 +356,31 @@ def benchmark(args, cc: int, have_torch: bool, partial: pathlib.Path | None = No
                 if have_torch:
                     measure("torch_grouped_mm",
                             lambda: time_torch(torch_grouped_mm(), torch_arg_sets(sets), runs), results)
-                cases.append(Case(projection, routing, rows, active, results))
+                if args.tokamax:
+                    measure("tokamax_bf16", lambda: time_jax(tokamax_fn(), [(x, w_t, g) for x, _, w_t, _, g in sets],
+                                                             runs), results)
+                    measure("tokamax_int4", lambda: time_jax(tokamax_fn(), int4_arg_sets(sets, n, k, experts), runs),
+                            results)
+                cases.append(Case(projection, routing, rows, active, results, floor_ms))
                 del sets
                 if partial is not None:  # Keep what is done if the run is cut short.
                     partial.write_text(json.dumps([dataclasses.asdict(c) for c in cases], indent=1, default=str))
+        weights.cache_clear()  # one projection's weights at a time (they are tens of GB at 384 experts)
+        int4_weights.cache_clear()
     return cases, sweeps
 
 
-def full_mlp(cc: int, runs: int, bandwidth: float):
+def full_mlp(cc: int, runs: int, bandwidth: float, experts: int):
     """NVFP4 gate_up_swiglu + down at M=512 (uniform) against its byte floor."""
     (n_gu, k_gu), (n_d, k_d) = PROJECTIONS["gate_up"], PROJECTIONS["down"]
     rng = np.random.default_rng(512)
     sets, active_bytes = [], []
+    copies = weight_copies(experts)
     for i, x in enumerate(x_sets(MLP_ROWS, k_gu, 4, 99)):
-        g = group_sizes(MLP_ROWS, "uniform", rng)
-        q_gu, q_d = weights(n_gu, k_gu, i % 2)[2], weights(n_d, k_d, i % 2)[2]
+        g = group_sizes(MLP_ROWS, "uniform", rng, experts=experts)
+        q_gu, q_d = weights(n_gu, k_gu, i % copies, experts)[2], weights(n_d, k_d, i % copies, experts)[2]
         sets.append((x, q_gu, q_d, jnp.asarray(g)))
-        per_expert = sum(a.nbytes for a in (q_gu.packed, q_gu.scales, q_d.packed, q_d.scales)) / EXPERTS
+        per_expert = sum(a.nbytes for a in (q_gu.packed, q_gu.scales, q_d.packed, q_d.scales)) / experts
         # Weights of the experts that get rows, x read, h [M, F] written and read back, y written.
         hidden_bytes = MLP_ROWS * (n_gu // 2) * 2
         active_bytes.append(np.count_nonzero(g) * per_expert + x.nbytes + 2 * hidden_bytes + MLP_ROWS * n_d * 2)
@@ -327,6 +401,7 @@ def full_mlp(cc: int, runs: int, bandwidth: float):
             return native.run(Op.MATMUL, h, q_d, g, compute_capability=cc)
 
         out["native_ms"] = time_jax(native_mlp, sets, runs)
+    weights.cache_clear()
     return out
 
 
@@ -350,7 +425,7 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
 
     for case in cases:
         tag = f"{case.projection} {case.routing} M={case.rows}"
-        peers = [ms(case, p) for p in ("jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm")]
+        peers = [ms(case, p) for p in ("jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm", "tokamax_bf16")]
         peers = [p for p in peers if p is not None]
         for impl, label in (("ours_nvfp4", "NVFP4"), ("native_nvfp4", "native NVFP4")):
             if case.rows <= 512 and peers and ms(case, impl):
@@ -376,13 +451,14 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
 
 
 IMPLS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4", "native_swiglu_nvfp4",
-         "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm")
+         "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm", "tokamax_bf16", "tokamax_int4")
+NVFP4_IMPLS = ("ours_nvfp4", "native_nvfp4")  # the plain GEMMs the floor is for
 
 
 def markdown(meta, cases, mlp, goals) -> str:
     impls = [impl for impl in IMPLS if any(impl in case.results for case in cases)]  # measured in this run
     lines = [
-        "# Grouped GEMM on one GPU (MoE experts, Kimi K2 shapes, 48 local experts)",
+        f"# Grouped GEMM on one GPU (MoE experts, Kimi K2 shapes, {meta.get('experts', 48)} local experts)",
         "",
         f"- device: {meta['device']}; date: {meta['date']}; copy bandwidth: {meta['copy_bandwidth_tbps']:.2f} TB/s",
         f"- command: `{meta['command']}`",
@@ -391,9 +467,16 @@ def markdown(meta, cases, mlp, goals) -> str:
         "",
         "Time per call in microseconds (TFLOP/s in parentheses; the fused gate_up_swiglu counts the gate and "
         "up products, like the plain gate_up GEMM). `err` = the peer failed (see JSON).",
+    ]
+    floors = any(case.nvfp4_floor_ms is not None for case in cases)
+    if floors:
+        lines[-1] += (" NVFP4 floor: the NVFP4 GEMM's bytes (codes and block scales of the experts that get "
+                      "rows, x read, y written) at the copy bandwidth; best / floor: the faster of "
+                      + " and ".join(NVFP4_IMPLS) + " over it.")
+    lines += [
         "",
-        "| projection | routing | M | " + " | ".join(impls) + " |",
-        "|---|---|---:|" + "---:|" * len(impls),
+        "| projection | routing | M | " + " | ".join(impls) + " |" + " NVFP4 floor | best NVFP4 / floor |" * floors,
+        "|---|---|---:|" + "---:|" * (len(impls) + 2 * floors),
     ]
     for case in cases:
         cells = []
@@ -405,6 +488,11 @@ def markdown(meta, cases, mlp, goals) -> str:
                 cells.append(f"{r['ms'] * 1e3:.1f} ({flops(case) / (r['ms'] * 1e-3) / 1e12:.0f})")
             else:
                 cells.append("err")
+        if floors:
+            best = min((case.results[i]["ms"] for i in NVFP4_IMPLS if "ms" in case.results.get(i, {})), default=None)
+            floor = case.nvfp4_floor_ms
+            cells.append("" if floor is None else f"{floor * 1e3:.1f}")
+            cells.append("" if None in (best, floor) else f"{best / floor:.2f}x")
         lines.append(f"| {case.projection} | {case.routing} | {case.rows} | " + " | ".join(cells) + " |")
     if mlp is None:
         lines += ["", "Full NVFP4 expert MLP: not measured in this run."]
@@ -481,7 +569,7 @@ def sweep(args, cc):
     for (variant, fmt, op, rows, projections), candidates in SWEEP.items():
         for projection in projections:
             n, k = PROJECTIONS[projection]
-            sets, _ = jax_arg_sets(rows, n, k, "uniform", rows, 2)
+            sets, _ = jax_arg_sets(rows, n, k, "uniform", rows, 2, args.experts)
             for cand in candidates:
                 config = None if cand is None else _cfg(variant, *cand)
                 start = time.time()
@@ -517,7 +605,7 @@ def capability(device) -> int:
 
 
 TIMING = ("median of {runs} runs after a warm-up; each run rotates over 4 input sets (M<=2048) or 2 (larger; "
-          "jax.lax.ragged_dot: 1 at M>=8192), weights alternating between 2 copies; JAX: CUPTI kernel time, "
+          "jax.lax.ragged_dot: 1 at M>=8192), {weights}; JAX: CUPTI kernel time, "
           "torch: CUDA events")
 
 
@@ -542,7 +630,12 @@ def main():
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help="row counts M (default: all)")
     parser.add_argument("--no-mgpu", dest="mgpu", action="store_false",
                         help="skip JAX's Mosaic ragged_dot_mgpu (its tuning sweep takes minutes)")
+    parser.add_argument("--no-tokamax", dest="tokamax", action="store_false", help="skip tokamax's ragged_dot")
+    parser.add_argument("--experts", type=int, default=EXPERTS,
+                        help=f"experts on the GPU (default {EXPERTS}, Kimi K2 on one GPU; 48: EP 8's local share)")
     args = parser.parse_args()
+    if args.experts < 1:
+        parser.error(f"--experts: {args.experts}, expected an int >= 1")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
@@ -564,16 +657,17 @@ def main():
 
     bandwidth = copy_bandwidth(args.runs)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    mlp = full_mlp(cc, args.runs, bandwidth)
+    mlp = full_mlp(cc, args.runs, bandwidth, args.experts)
     print(f"NVFP4 MLP M={MLP_ROWS}: {mlp}", flush=True)
-    cases, mgpu_sweeps = benchmark(args, cc, have_torch, out / "grouped_gemm_partial.json")
+    cases, mgpu_sweeps = benchmark(args, cc, have_torch, bandwidth, out / "grouped_gemm_partial.json")
     meta = {
         "device": device.device_kind, "compute_capability": cc, "date": datetime.date.today().isoformat(),
         "command": command, "copy_bandwidth_tbps": bandwidth / 1e12,
         "versions": f"python {platform.python_version()}, jax {jax.__version__}, triton {triton.__version__}, "
                     f"torch {torch_version}",
-        "timing": TIMING.format(runs=args.runs),
-        "experts": EXPERTS, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.time() - started,
+        "timing": TIMING.format(runs=args.runs, weights="weights alternating between 2 copies"
+                                if weight_copies(args.experts) == 2 else "one copy of the weights"),
+        "experts": args.experts, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.time() - started,
     }
     tile_table = {"/".join(part.value for part in key): dataclasses.asdict(config)
                   for key, config in tuning.TILE_TABLE[cc].items()}

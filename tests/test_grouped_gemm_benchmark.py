@@ -1,0 +1,51 @@
+"""benchmarks/grouped_gemm.py's pieces that run without a GPU: the weights quantized a few experts
+at a time are the weights quantized at once, and the page's NVFP4 floor columns."""
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import nvfp4
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    path = ROOT / "benchmarks" / "grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_grouped_gemm_pieces", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_weights_quantized_in_chunks_of_experts_are_the_weights_quantized_at_once():
+    bench = _bench()
+    w_enk, w_ekn, q = bench.weights(64, 32, 1, 21)  # 16 + 5 experts
+    np.testing.assert_array_equal(np.asarray(w_ekn), np.swapaxes(np.asarray(w_enk), 1, 2))
+    whole = nvfp4.quantize(w_enk.astype(jnp.float32))
+    for got, want in zip(jax.tree.leaves(q), jax.tree.leaves(whole), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert bench.nvfp4_bytes_per_expert(64, 32) * 21 == q.packed.nbytes + q.scales.nbytes
+
+
+def test_the_page_gives_each_case_its_nvfp4_floor_and_the_best_nvfp4_over_it():
+    bench = _bench()
+    meta = {"device": "NVIDIA H200", "date": "2026-12-02", "copy_bandwidth_tbps": 4.3, "command": "c",
+            "versions": "v", "timing": "t", "experts": 384}
+    cases = [bench.Case("down", "uniform", 128, 110, {"ours_nvfp4": {"ms": 0.5}, "native_nvfp4": {"ms": 0.25},
+                                                       "tokamax_int4": {"error": "ImportError: tokamax"}}, 0.125),
+             bench.Case("down", "uniform", 512, 300, {"ours_nvfp4": {"ms": 0.6}}, None)]
+    lines = bench.markdown(meta, cases, None, []).splitlines()
+    assert lines[0] == "# Grouped GEMM on one GPU (MoE experts, Kimi K2 shapes, 384 local experts)"
+    assert ("| projection | routing | M | ours_nvfp4 | native_nvfp4 | tokamax_int4 | NVFP4 floor "
+            "| best NVFP4 / floor |") in lines
+    flops = 2.0 * 128 * 7168 * 2048
+    assert (f"| down | uniform | 128 | 500.0 ({flops / 0.5e-3 / 1e12:.0f}) | 250.0 ({flops / 0.25e-3 / 1e12:.0f}) "
+            "| err | 125.0 | 2.00x |") in lines
+    assert any(line.startswith("| down | uniform | 512 | 600.0") and line.endswith("|  |  |  |  |") for line in lines)

@@ -1,30 +1,16 @@
 """benchmarks/grouped_gemm.py's pieces that run without a GPU: the weights quantized a few experts
 at a time are the weights quantized at once, and the page's NVFP4 floor columns."""
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_benchmark_results import _load
 
 from moe_jax import nvfp4
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _bench():
-    path = ROOT / "benchmarks" / "grouped_gemm.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_grouped_gemm_pieces", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_weights_quantized_in_chunks_of_experts_are_the_weights_quantized_at_once():
-    bench = _bench()
+    bench = _load("grouped_gemm")
     w_enk, w_ekn, q = bench.weights(64, 32, 1, 21)  # 16 + 5 experts
     np.testing.assert_array_equal(np.asarray(w_ekn), np.swapaxes(np.asarray(w_enk), 1, 2))
     whole = nvfp4.quantize(w_enk.astype(jnp.float32))
@@ -35,7 +21,7 @@ def test_weights_quantized_in_chunks_of_experts_are_the_weights_quantized_at_onc
 
 
 def test_the_page_gives_each_case_its_nvfp4_floor_and_the_best_nvfp4_over_it():
-    bench = _bench()
+    bench = _load("grouped_gemm")
     meta = {"device": "NVIDIA H200", "date": "2026-12-02", "copy_bandwidth_tbps": 4.3, "command": "c",
             "versions": "v", "timing": "t", "experts": 384}
     cases = [bench.Case("down", "uniform", 128, 110, {"ours_nvfp4": {"ms": 0.5}, "native_nvfp4": {"ms": 0.25},

@@ -1,7 +1,8 @@
 """Serving load: bucketed token counts (``moe_jax.serving``) under ``nnx.jit``.
 
 The soak calls the NNX module :data:`CALLS` times with token counts drawn from 1 to 8192,
-bf16 and NVFP4, padded to :func:`~moe_jax.serving.token_buckets`: the layer compiles at most
+bf16 and NVFP4, padded on the host to :func:`~moe_jax.serving.token_buckets` (as a server pads
+what it receives): the layer compiles at most
 once per bucket, the live device memory does not grow after the first round of buckets, and
 sampled outputs equal a float64 reference of the same weights (statistics: those of the
 unpadded batch, exactly).
@@ -31,6 +32,10 @@ def test_buckets_and_padding():
     assert serving.bucket_for(0, (16, 32)) == 16 and serving.bucket_for(17, (16, 32)) == 32
     x, n = serving.pad_to_bucket(jnp.ones((20, 4)), (16, 32))
     assert x.shape == (32, 4) and n == 20 and not np.asarray(x[20:]).any()
+    x_host, n_host = serving.pad_to_bucket(np.arange(80, dtype=np.float32).reshape(20, 4), (16, 32))
+    assert isinstance(x_host, np.ndarray) and n_host == 20  # padded on the host: no device compilation per length
+    np.testing.assert_array_equal(x_host, np.pad(np.arange(80, dtype=np.float32).reshape(20, 4), ((0, 12), (0, 0))))
+    assert serving.bucket_for(np.int64(17), (16, 32)) == 32  # NumPy counts are counts
     for call, message in ((lambda: serving.token_buckets(0), r"^max_tokens: 0, expected an int >= 1$"),
                           (lambda: serving.token_buckets(8, growth=1), r"^growth: 1, expected a finite number > 1$"),
                           (lambda: serving.bucket_for(33, (16, 32)), r"^num_tokens: 33, expected at most the largest"),
@@ -81,7 +86,7 @@ def soak(config: MoEConfig, device, rng, *, calls: int = CALLS, max_tokens: int 
         return layer(x, num_valid_tokens=n)
 
     counts = np.exp(rng.uniform(0, np.log(max_tokens), calls)).astype(int).clip(1, max_tokens)
-    pool = jax.device_put(jnp.asarray(rng.standard_normal((max_tokens, config.hidden_size)), jnp.bfloat16), device)
+    pool = np.asarray(jnp.asarray(rng.standard_normal((max_tokens, config.hidden_size)), jnp.bfloat16))  # on the host
     checked, warm_bytes = 0, None
     for i, t in enumerate(counts):
         x_b, n = serving.pad_to_bucket(pool[:t], buckets)

@@ -36,18 +36,25 @@ from pallas_kernels.grouped_matmul.tuning import Op, decode_tile, prefill_tile  
 
 EXPERTS, HIDDEN, INTERMEDIATE = 384, 7168, 2048
 G, M = Op.GATE_UP_SWIGLU, Op.MATMUL
-# Per (variant, op); the first of each list is the table's entry when this list was written. The
-# 4-warp prefill tiles fit two or three programs per SM, so one program's dequantization can run
-# while another's MMAs do (one 8-warp program per SM serializes them).
+# Per (variant, op); the first of each list is the table's entry when this list was written.
+# Prefill: tiles with extra rows (``extra_m``: a second MMA against the same dequantized weights)
+# and tail paths (``tail_m``: an expert's last tile of at most that many rows runs as a narrower
+# MMA); the 4-warp ones fit two programs per SM.
 CANDIDATES = {
     ("decode", G): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 32, 256, 4, 3),
                     decode_tile(16, 32, 256, 4, 4)],
     ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 512, 4, 2),
                     decode_tile(16, 128, 256, 4, 3)],
-    ("prefill", G): [prefill_tile(128, 64, 128, 8, 3), prefill_tile(256, 64, 64, 8, 3), prefill_tile(128, 32, 128, 4, 2),
-                     prefill_tile(128, 32, 64, 4, 4), prefill_tile(64, 32, 128, 4, 3), prefill_tile(64, 32, 128, 4, 4)],
-    ("prefill", M): [prefill_tile(64, 128, 128, 4, 3), prefill_tile(128, 64, 128, 4, 2), prefill_tile(64, 64, 128, 4, 3),
-                     prefill_tile(128, 64, 64, 4, 4), prefill_tile(64, 64, 256, 4, 2), prefill_tile(64, 128, 128, 4, 2)],
+    ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
+                     prefill_tile(128, 64, 128, 8, 3, tail_m=64),
+                     prefill_tile(128, 64, 64, 8, 3, extra_m=64, tail_m=64), prefill_tile(64, 64, 64, 4, 3, extra_m=64),
+                     prefill_tile(64, 64, 64, 4, 3, extra_m=64, tail_m=32),
+                     prefill_tile(128, 64, 128, 8, 4, extra_m=64, tail_m=64)],
+    ("prefill", M): [prefill_tile(64, 128, 128, 4, 3), prefill_tile(128, 128, 128, 8, 3, extra_m=64, tail_m=64),
+                     prefill_tile(128, 256, 64, 8, 3, tail_m=64),
+                     prefill_tile(128, 128, 64, 8, 3, extra_m=64, tail_m=64),
+                     prefill_tile(64, 128, 64, 4, 3, extra_m=64), prefill_tile(64, 128, 64, 4, 4, extra_m=64),
+                     prefill_tile(64, 128, 64, 4, 3, extra_m=64, tail_m=32)],
 }
 
 
@@ -126,7 +133,9 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for (op, m), r in sorted(best.items()):
         t = r["tile"]
-        tile = t if isinstance(t, str) else f"{t['block_m']}x{t['block_n']}x{t['block_k']} w{t['num_warps']} s{t['num_stages']}"
+        tile = t if isinstance(t, str) else (f"{t['block_m']}x{t['block_n']}x{t['block_k']} "
+                                             f"w{t['num_warps']} s{t['num_stages']}"
+                                             f" extra {t['extra_m']} tail {t['tail_m']}")
         print(f"best {op} rows={m}: {r['us']:.1f} us, {r['tb_per_s']:.2f} TB/s, tile {tile}")
 
 

@@ -324,10 +324,17 @@ def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
             case _:
                 assert_never(mode)
 
+    # W4A16: the gate/up kernel writes its output's columns in the order the down kernel reads
+    # them (native.permute_k), which saves a pass over the intermediate activations between them.
+    order = 0
+    if mode is native.Mode.W4A16:
+        w_down = weights["w_down_ehf"]
+        order = native.k_order(native.Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0],
+                               k=2 * w_down.packed.shape[-1], n_out=w_down.packed.shape[-2], compute_capability=cc)
     a_mf = native.run(native.Op.GATE_UP_SWIGLU, rows(x_mh, gate_up_scale_e), weights["w_gate_up_egh"], group_sizes_e,
-                      compute_capability=cc)
+                      compute_capability=cc, out_k_order=order)
     y_mh = native.run(native.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
-                      compute_capability=cc)
+                      compute_capability=cc, x_k_order=order)
     return y_mh.astype(plan.config.dtype)
 
 

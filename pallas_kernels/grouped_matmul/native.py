@@ -77,16 +77,19 @@ def _tiles(decode_mm, decode_fused, prefill_mm, prefill_fused) -> dict[_TileKey,
 _d, _p = tuning.decode_tile, tuning.prefill_tile
 
 
-# Per capability. SM90: the fastest of a sweep on an H200 at Kimi K2's real size (384 experts;
-# benchmarks/native_sweep.py, benchmarks/results/native_h200/native_sweep.json): decode at 256 and
-# 2048 rows, prefill at 65536. SM100 and SM120 are sized to the chips (tcgen05 wants 128 MMA rows;
-# SM120 has about 99 KB of shared memory per block) and cross-compiled in CI
+# Per capability. SM90: the fastest of sweeps on an H200 at Kimi K2's real size (384 experts,
+# benchmarks/native_sweep.py): decode at 256 and 2048 rows (results/native_h200/native_sweep.json);
+# prefill at 16384 and 65536 (native_sweep_4bd90d1_extra_rows.json: the fused gate/up 4.24 and
+# 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and
+# SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared
+# memory per block) and cross-compiled in CI
 # (tests/pallas_kernels/test_native_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
 # with fewer stages (mma.sync, less shared memory), not run.
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3), _p(128, 64, 128, 8, 3)),
+    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3),
+               _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
     120: _tiles(_d(16, 128, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 256, 4, 2), _p(64, 64, 256, 4, 2)),
@@ -102,6 +105,16 @@ NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
 ONE_GROUP_ROWS = 32
 ONE_GROUP_TILES: dict[int, dict[Op, TileConfig]] = {
     90: {Op.GATE_UP_SWIGLU: _d(32, 32, 256, 4, 3), Op.MATMUL: _d(64, 64, 128, 4, 3)},
+}
+
+
+# Prefill with many rows per expert (at least MANY_ROWS_PER_EXPERT on average; Kimi K2 at 8192
+# tokens has ~170): wider tiles whose extra rows share one dequantization, where the table's
+# prefill tile is faster at fewer rows. SM90 down projection (native_sweep_4bd90d1_extra_rows.json):
+# 4.77 ms against 5.80 for the table's tile at 65536 rows; 2.42 against 1.92 at 16384.
+MANY_ROWS_PER_EXPERT = 128
+MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.MATMUL: _p(128, 128, 128, 8, 3, extra_m=64, tail_m=64)},
 }
 
 
@@ -125,6 +138,7 @@ class NativeSpec:
     block_n: int
     max_tiles: int
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
+    out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
 
     @property
     def weight_rows(self) -> int:
@@ -139,8 +153,10 @@ class NativeSpec:
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
-            BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
+            BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
+            OUT_K_ORDER=self.out_k_order,
         )
 
 
@@ -211,14 +227,21 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One ``[block_m, block_n]`` output tile of one expert's rows (see the module docstring).
+            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+    """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
+    the module docstring).
 
     ``x_ptr``: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` with ``x_scale_ptr`` uint8 E4M3
     ``[M, K/16]`` and ``x_global_ptr`` float32 ``[M]`` (both unused by W4A16). ``w_ptr`` uint8
     ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
     ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
     caller passed one to write into, else a placeholder: never read).
+
+    By the rows a tile holds (an expert's last tile holds fewer), the narrowest of three paths
+    that covers them, so that the MMAs skip most padding rows: at most ``TAIL_M`` (0: no such
+    path), at most ``BLOCK_M``, or (``EXTRA_M > 0``) up to ``BLOCK_M + EXTRA_M`` as two MMAs per
+    K step against the same dequantized weights (paid once for both).
     """
     num_n_tiles: tl.constexpr = N_OUT // BLOCK_N
     per_group: tl.constexpr = GROUP_T * num_n_tiles
@@ -231,72 +254,155 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     row_start = tl.load(tile_start_ptr + t)
     row_end = tl.load(tile_end_ptr + t)
     if row_start < row_end:
-        # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
-        # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
         expert = tl.load(tile_expert_ptr + t).to(tl.int64)
-        local_m = tl.arange(0, BLOCK_M)
-        row_ok_m = row_start + local_m < row_end
-        first_row = row_start.to(tl.int64)
-        # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
-        # one accumulator, split in the epilogue (two accumulators sharing one activation tile
-        # broke triton 3.6's tensor-memory pass for SM100).
-        R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
-        r = tl.arange(0, R)
-        half_r = r // BLOCK_N
-        w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-        if W4A4:
-            w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-        else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
-            w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                    + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
-        ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
-                 + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-        acc = tl.zeros((R, BLOCK_M), tl.float32)
-        if W4A4:
-            x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-            xs_at = (x_scale_ptr + first_row * (K // 16)
-                     + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-        else:
-            x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
-        for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
-            if W4A4:
-                w_rj = tl.load(w_at + i * (BLOCK_K // 2))
-                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-                x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
-                # A masked row's scales read as 0: its products vanish whatever its codes.
-                xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
-                acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
-                                    xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+        rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
+        if TAIL_M > 0:
+            if rows <= TAIL_M:
+                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+                      OUT_K_ORDER)
             else:
-                x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
-                w_rw = tl.load(w_at + i * (BLOCK_K // 8))
-                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-                acc = tl.dot(_dequantize_w4a16(w_rw, s_rb, R, BLOCK_K), tl.trans(x_mk), acc)
-        # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
-        # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
+                _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                           NUM_STAGES, OUT_K_ORDER)
+        else:
+            _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                       NUM_STAGES, OUT_K_ORDER)
+
+
+@triton.jit
+def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+               out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
+               W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+    """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
+    if EXTRA_M > 0:
+        if rows > BLOCK_M:
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+        else:
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+    else:
+        _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+
+
+@triton.jit
+def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
+          K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
+          W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+    """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
+    tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
+    # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
+    # past 2**31 bytes), 32-bit offsets inside one expert's matrix and one row tile.
+    first_row = row_start.to(tl.int64)
+    local_m = tl.arange(0, BLOCK_M)
+    row_ok_m = row_start + local_m < row_end
+    # The fused op stacks gate's and up's tiles into one MMA operand of 2 * BLOCK_N rows:
+    # one accumulator, split in the epilogue (two accumulators sharing one activation tile
+    # broke triton 3.6's tensor-memory pass for SM100).
+    R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
+    r = tl.arange(0, R)
+    half_r = r // BLOCK_N
+    w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
+    if W4A4:
+        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+    else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
+        w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
+                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
+    ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
+             + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    acc = tl.zeros((R, BLOCK_M), tl.float32)
+    if W4A4:
+        x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        xs_at = (x_scale_ptr + first_row * (K // 16)
+                 + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    else:
+        x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    if EXTRA_M > 0:
+        local_x = BLOCK_M + tl.arange(0, EXTRA_M)
+        row_ok_x = row_start + local_x < row_end
+        acc2 = tl.zeros((R, EXTRA_M), tl.float32)
         if W4A4:
-            row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+            x2_at = x_ptr + first_row * (K // 2) + (local_x[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+            xs2_at = (x_scale_ptr + first_row * (K // 16)
+                      + (local_x[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
         else:
-            row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
-        w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
-        acc = acc * w_global_r[:, None] * row_factor[None, :]
-        if FUSED:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-            y = gate / (1.0 + tl.exp(-gate)) * up
+            x2_at = x_ptr + first_row * K + (local_x[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
+        if W4A4:
+            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
+            # A masked row's scales read as 0: its products vanish whatever its codes.
+            xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
+            acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
+                                xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+            if EXTRA_M > 0:
+                x2_mj = tl.load(x2_at + i * (BLOCK_K // 2), mask=row_ok_x[:, None], other=0)
+                xs2_mb = tl.load(xs2_at + i * (BLOCK_K // 16), mask=row_ok_x[:, None], other=0)
+                acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
+                                     xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
         else:
-            y = acc
-        cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
-        tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
+            x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
+            w_rw = tl.load(w_at + i * (BLOCK_K // 8))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
+            acc = tl.dot(w_rk, tl.trans(x_mk), acc)
+            if EXTRA_M > 0:
+                x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
+                acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
+    _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
+              FUSED, W4A4, BLOCK_M, BLOCK_N, OUT_K_ORDER)
+    if EXTRA_M > 0:
+        _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
+                  G, FUSED, W4A4, EXTRA_M, BLOCK_N, OUT_K_ORDER)
+
+
+@triton.jit
+def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr,
+              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+    """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m``, applies SwiGLU
+    (fused op) and stores the rows ``row_ok_m`` marks, columns in :func:`permute_k`'s order for
+    ``block_k = OUT_K_ORDER`` if that is not 0."""
+    # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
+    # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
+    if W4A4:
+        row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+    else:
+        row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+    w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
+    acc = acc * w_global_r[:, None] * row_factor[None, :]
+    if FUSED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = acc
+    cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if OUT_K_ORDER > 0:  # where permute_k(out, OUT_K_ORDER) puts each column
+        g_groups: tl.constexpr = OUT_K_ORDER // 32
+        o = cols_n % OUT_K_ORDER
+        c, g, t, g0, h = o // (8 * g_groups), (o // 8) % g_groups, (o // 4) % 2, (o // 2) % 2, o % 2
+        cols_n = cols_n - o + (32 * g + 16 * g0 + 8 * h + 2 * c + t)
+    out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
+    tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
 
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
-              compute_capability: int, tile: TileConfig | None = None) -> NativeSpec:
+              compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
-    (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows)."""
+    (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows,
+    :data:`MANY_ROWS_TILES` from :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
     check_capability(compute_capability)
     if tile is None and num_experts == 1 and num_rows <= ONE_GROUP_ROWS and compute_capability in ONE_GROUP_TILES:
         tile = ONE_GROUP_TILES[compute_capability][op]
+    elif (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
+          and op in MANY_ROWS_TILES.get(compute_capability, {})):
+        tile = MANY_ROWS_TILES[compute_capability][op]
     elif tile is None:
         variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
                                         compute_capability=compute_capability)
@@ -306,10 +412,14 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     # 4-stage prefill tile (one K step) while every longer K matched; one stage per step is what
     # such a short loop can use anyway.
     tile = dataclasses.replace(tile, num_stages=max(1, min(tile.num_stages, k // block_k)))
+    if tile.extra_m and compute_capability == 100:
+        raise ValueError(f"tile.extra_m: {tile.extra_m}, expected 0 on SM100 (a second accumulator sharing one "
+                         "operand broke triton 3.6's tensor-memory pass there)")
     return NativeSpec(
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
-        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m), scale_groups=scale_groups,
+        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
+        out_k_order=out_k_order,
     )
 
 
@@ -376,7 +486,7 @@ def _check_weights(w, name: str, op: Op, num_experts: int, k: int) -> tuple[int,
 
 
 def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
-        tile: TileConfig | None = None, out=None) -> jax.Array:
+        tile: TileConfig | None = None, out=None, out_k_order: int = 0, x_k_order: int = 0) -> jax.Array:
     """One native kernel: ``op`` on the rows of ``x`` with NVFP4 weights ``w``.
 
     Args:
@@ -392,6 +502,11 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
       tile: overrides the tile table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
         kernel does not write keep its values.
+      out_k_order: W4A16 only; 0, or the ``block_k`` of a W4A16 kernel that reads this output
+        next (:func:`k_order`): the columns are written in its :func:`permute_k` order, so that
+        it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
+      x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
+        ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype, capability or mode.
@@ -415,19 +530,36 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
     if m == 0:
         return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+    if (out_k_order or x_k_order) and mode is not Mode.W4A16:
+        raise ValueError(f"out_k_order={out_k_order}, x_k_order={x_k_order}: expected 0 for {mode.value} (the "
+                         "column orders are those of the W4A16 kernels)")
+    if out_k_order and (out_k_order < K_MULTIPLE or out_k_order & (out_k_order - 1) or n_out % out_k_order):
+        raise ValueError(f"out_k_order: {out_k_order}, expected 0 or a power of two >= {K_MULTIPLE} dividing the "
+                         f"output's {n_out} columns")
     spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
-                     compute_capability=compute_capability, tile=tile)
+                     compute_capability=compute_capability, tile=tile, out_k_order=out_k_order)
+    if x_k_order and x_k_order != spec.block_k:
+        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's block_k {spec.block_k} (k_order())")
     match mode:
         case Mode.W4A4:
             rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
         case Mode.W4A16:
             # x's columns in the dequantized tiles' order; the one-element placeholders (unread
             # by W4A16) keep a single kernel signature.
-            rows = (permute_k(x, spec.block_k), jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
+            x_perm = x if x_k_order else permute_k(x, spec.block_k)
+            rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
     return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
                   w.global_scale.reshape(num_experts, groups), out)
+
+
+def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
+            tile: TileConfig | None = None) -> int:
+    """The ``block_k`` whose :func:`permute_k` column order a W4A16 launch of these shapes reads
+    ``x`` in (for ``out_k_order`` of the kernel that writes ``x``)."""
+    return make_spec(op, Mode.W4A16, num_rows=num_rows, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
+                     compute_capability=compute_capability, tile=tile).block_k
 
 
 def _same_varying_axes(outputs, operands):
@@ -460,7 +592,7 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scale
     """
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
 
-    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
+    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.rows_per_tile,
                                             num_tiles=spec.max_tiles)
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
@@ -488,4 +620,5 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "make_spec", "mode_for", "run"]
+__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "k_order",
+           "make_spec", "mode_for", "run"]

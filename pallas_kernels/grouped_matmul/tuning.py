@@ -51,6 +51,13 @@ class TileConfig:
       num_warps: warps per program.
       num_stages: software-pipeline depth of the K loop.
       group_t: row tiles visited before moving to the next output-column tile (L2 raster).
+      extra_m: Triton-language NVFP4 kernels only (``native.py``, not on SM100; 0 elsewhere): a tile
+        spans ``block_m + extra_m`` rows, and one holding more than ``block_m`` multiplies the
+        last ``extra_m`` in a second MMA against the same dequantized weights (dequantized once
+        for both). 0: tiles of ``block_m`` rows.
+      tail_m: native kernels only (0 elsewhere): a tile holding at most ``tail_m`` rows (an
+        expert's last) runs as a ``tail_m``-row tile, so its MMAs do not multiply the padding
+        rows of a wider one. 0: no such path.
     """
 
     block_m: int
@@ -59,6 +66,8 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_t: int
+    extra_m: int = 0
+    tail_m: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -69,6 +78,17 @@ class TileConfig:
             raise ValueError(f"TileConfig: {self}, expected block_m, block_n >= 16 and block_k >= 64")
         if self.num_stages < 1 or self.group_t < 1:
             raise ValueError(f"TileConfig: {self}, expected num_stages >= 1 and group_t >= 1")
+        if self.extra_m and (self.extra_m & (self.extra_m - 1) or not 16 <= self.extra_m <= self.block_m):
+            raise ValueError(f"TileConfig.extra_m: {self.extra_m}, expected 0 or a power of two in "
+                             f"[16, block_m={self.block_m}]")
+        if self.tail_m and (self.tail_m & (self.tail_m - 1) or not 16 <= self.tail_m < self.block_m):
+            raise ValueError(f"TileConfig.tail_m: {self.tail_m}, expected 0 or a power of two in "
+                             f"[16, block_m={self.block_m})")
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Rows one tile spans (``block_m + extra_m``)."""
+        return self.block_m + self.extra_m
 
     def shared_memory_estimate(self, variant: Variant, weights: WeightFormat, op: Op) -> int:
         """Bytes of operand tiles held in flight by the K pipeline (a lower bound on Triton's)."""
@@ -110,8 +130,9 @@ def decode_tile(m, n, k, warps, stages) -> TileConfig:
     return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=_ALL_ROWS)
 
 
-def prefill_tile(m, n, k, warps, stages, group_t=8) -> TileConfig:
-    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t)
+def prefill_tile(m, n, k, warps, stages, group_t=8, *, extra_m=0, tail_m=0) -> TileConfig:
+    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t,
+                      extra_m=extra_m, tail_m=tail_m)
 
 
 # The SM90 row was picked from sweeps on an H200 (benchmarks/results/grouped_gemm_sweep_call*.json,

@@ -22,7 +22,7 @@ import interpreted
 from moe_jax import nvfp4
 from pallas_kernels.grouped_matmul import native
 from pallas_kernels.grouped_matmul import triton as pallas_backend
-from pallas_kernels.grouped_matmul.tuning import Op, Variant
+from pallas_kernels.grouped_matmul.tuning import Op, Variant, prefill_tile
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
@@ -59,7 +59,8 @@ def random_weights(rng, experts: int, n_w: int, k: int, scale_groups: int, used=
 
 
 def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, group_sizes: np.ndarray, *,
-                    cc: int, variant: Variant | None = None, input_scale_e: np.ndarray | None = None):
+                    cc: int, variant: Variant | None = None, tile=None, input_scale_e: np.ndarray | None = None,
+                    out_k_order: int = 0):
     """The kernel on ``x_mk`` (float32, quantized per row first, as the layer does: against each
     row's expert's static ``input_scale_e`` float32 ``[E]`` when given, padding rows the last
     expert's, else dynamically); returns (bf16 output as float64 with NaN where unwritten, the
@@ -68,9 +69,10 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     experts, n_w = packed.shape[:2]
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
     groups = 1 if global_scale.ndim == 1 else 2
-    tile = None if variant is None else native.NATIVE_TILES[cc][(variant, op)]
+    if variant is not None:
+        tile = native.NATIVE_TILES[cc][(variant, op)]
     spec = native.make_spec(op, native.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                            scale_groups=groups, compute_capability=cc, tile=tile)
+                            scale_groups=groups, compute_capability=cc, tile=tile, out_k_order=out_k_order)
     global_m = None
     if input_scale_e is not None:
         global_m = jnp.asarray(np.repeat(input_scale_e, group_sizes)[np.minimum(np.arange(m), group_sizes.sum() - 1)])
@@ -78,7 +80,7 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     if input_scale_e is not None:
         np.testing.assert_array_equal(x_global, global_m)
     schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m,
-                                            block_m=spec.tile.block_m, num_tiles=spec.max_tiles)
+                                            block_m=spec.tile.rows_per_tile, num_tiles=spec.max_tiles)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = [interpreted.buffer(np.asarray(a, np.int32), name)
@@ -112,8 +114,8 @@ def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.nda
     return np.concatenate(rows)
 
 
-def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, experts=None, used=None, seed=0,
-          padding=3, input_scale_e=None):
+def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, tile=None, experts=None, used=None,
+          seed=0, padding=3, input_scale_e=None, out_k_order=0):
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes)
     experts = experts or len(group_sizes)
@@ -122,8 +124,10 @@ def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, expert
     total = int(group_sizes.sum())
     x = rng.standard_normal((total + padding, k)).astype(np.float32)
     got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant,
-                                      input_scale_e=input_scale_e)
+                                      tile=tile, input_scale_e=input_scale_e, out_k_order=out_k_order)
     want = reference(op, a_mk, packed, scales, global_scale, group_sizes)
+    if out_k_order:
+        want = native.permute_k(want, out_k_order)
     assert np.isnan(got[total:]).all(), "padding rows were written"
     assert np.isfinite(got[:total]).all(), f"{np.count_nonzero(~np.isfinite(got[:total]))} outputs not written"
     err = np.linalg.norm(got[:total] - want) / np.linalg.norm(want)
@@ -155,6 +159,33 @@ def test_group_size_patterns(cc, op, pattern):
 @pytest.mark.parametrize("variant", [Variant.DECODE, Variant.PREFILL], ids=lambda v: v.value)
 def test_every_tile_of_the_table(cc, op, variant):
     check(op, [70, 0, 130, 9], cc=cc, k=1024, n_out=256, variant=variant)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_tail_tiles_at_their_boundaries(op):
+    """A tile of at most ``tail_m`` rows runs as a ``tail_m``-row tile, the others as ``block_m``
+    rows: experts of exactly ``tail_m``, one more, a full tile, a full tile and a tail, and one
+    row more than that, among empty and one-row experts; the tail path must read and write
+    only its own rows."""
+    tile = prefill_tile(32, 64, 256, 4, 2, tail_m=16)
+    check(op, [16, 17, 0, 32, 48, 1, 49, 0, 15], cc=120, k=512, n_out=128, tile=tile, seed=11)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_extended_tiles_at_their_boundaries(op):
+    """Tiles of ``block_m + extra_m`` rows (the extra ones in a second accumulator) beside tail
+    and ``block_m``-row tiles: experts of each path's size, one row more and one row less."""
+    tile = prefill_tile(32, 64, 256, 4, 2, extra_m=16, tail_m=16)
+    check(op, [16, 17, 32, 33, 48, 0, 49, 1, 47, 96, 97, 0], cc=120, k=512, n_out=128, tile=tile, seed=12)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("order", [64, 128])
+def test_output_columns_in_the_next_kernels_order(op, order):
+    """``out_k_order``: each column lands where ``permute_k`` (the W4A16 kernels' order for
+    that ``block_k``) puts it, from tiles of 32 columns (the order's chunks span several)."""
+    tile = prefill_tile(32, 32, 256, 4, 2, extra_m=16, tail_m=16)
+    check(op, [16, 40, 0, 7], cc=120, k=512, n_out=256, tile=tile, seed=13 + order, out_k_order=order)
 
 
 @pytest.mark.parametrize("cc", [100, 120])

@@ -74,6 +74,36 @@ def test_one_small_group_gets_the_one_group_tile_which_compiles_to_wgmma(op):
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
 
 
+@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
+def test_many_rows_per_expert_get_the_many_rows_tile_which_compiles_without_spills(op):
+    """From ``MANY_ROWS_PER_EXPERT`` rows per expert on SM90 an op in ``MANY_ROWS_TILES`` takes
+    that tile (tiles with extra rows and a tail path: three loops, one kernel); below, and on
+    other capabilities, the table's prefill tile."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+
+    def tile(rows, cc):
+        return native.make_spec(op, native.Mode.W4A16, num_rows=rows, num_experts=384, k=k, n_out=n_out,
+                                scale_groups=1, compute_capability=cc).tile
+
+    many = native.MANY_ROWS_PER_EXPERT * 384
+    prefill = native.NATIVE_TILES[90][(tuning.Variant.PREFILL, op)]
+    expected = native.MANY_ROWS_TILES[90].get(op, prefill)
+    assert tile(many, 90).block_m == expected.block_m and tile(many, 90).extra_m == expected.extra_m
+    assert tile(many - 1, 90).extra_m == prefill.extra_m and tile(many - 1, 90).block_n == prefill.block_n
+    assert tile(many, 80).extra_m == native.NATIVE_TILES[80][(tuning.Variant.PREFILL, op)].extra_m == 0
+    spec = native.make_spec(op, native.Mode.W4A16, num_rows=many, num_experts=384, k=k, n_out=n_out, scale_groups=1,
+                            compute_capability=90)
+    kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(spec),
+                                  constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
+                                  num_stages=spec.tile.num_stages, name=f"native_many_rows_{op.value}")
+    assert len(re.findall(EXPECTED[90][1], kernel.ptx)) >= 2
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
+
+
 def test_offsets_past_int32_use_64_bit_bases():
     """Per expert and per row tile the kernel adds 64-bit bases; what stays 32-bit (offsets inside
     one expert's matrix and one row tile) fits at the largest published shapes."""
@@ -95,6 +125,8 @@ def _nvfp4(e=4, n=64, k=128):
 
 def test_bad_input_gets_one_line_naming_the_argument():
     w, sizes, x = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 128), jnp.bfloat16)
+    rows = native.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
+                            global_scale=jnp.ones((10,), jnp.float32))
     cases = [
         (dict(x=x.astype(jnp.float32)), r"^x: float32\[10, 128\], expected bfloat16 \[M, K\] \(W4A16\)$"),
         (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
@@ -105,12 +137,16 @@ def test_bad_input_gets_one_line_naming_the_argument():
         (dict(sizes=sizes.astype(jnp.float32)), r"^group_sizes_e: float32\[4\], expected int32 \[E\], E >= 1$"),
         (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
         (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
+        (dict(out_k_order=96), r"^out_k_order: 96, expected 0 or a power of two >= 64 dividing the output's 64 "),
+        (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's block_k 128 \(k_order\(\)\)$"),
+        (dict(cc=120, x=rows, out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a4"),
     ]
     for change, message in cases:
-        args = dict(x=x, w=w, sizes=sizes, cc=90, mode=None, out=None) | change
+        args = dict(x=x, w=w, sizes=sizes, cc=90, mode=None, out=None, out_k_order=0, x_k_order=0) | change
         with pytest.raises(ValueError, match=message):
             native.run(Op.MATMUL, args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
-                       mode=args["mode"], out=args["out"])
+                       mode=args["mode"], out=args["out"], out_k_order=args["out_k_order"],
+                       x_k_order=args["x_k_order"])
 
 
 def test_w4a4_activation_rows_are_checked_field_by_field():

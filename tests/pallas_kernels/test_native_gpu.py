@@ -24,7 +24,7 @@ from test_kimi_size_gpu import F, H, _capability, _check_top_experts, expert_ref
 from moe_jax import nvfp4
 from moe_jax.nvfp4 import NVFP4Tensor
 from pallas_kernels.grouped_matmul import reference
-from pallas_kernels.grouped_matmul.tuning import Op
+from pallas_kernels.grouped_matmul.tuning import Op, Variant
 
 native = pytest.importorskip("pallas_kernels.grouped_matmul.native", reason="needs triton")
 TOLERANCE = 1e-2
@@ -50,7 +50,7 @@ def _rows_for(mode, x_mk):
 
 
 def _check(rng, op: Op, num_experts: int, k: int, n_out: int, sizes: np.ndarray, padding: int, groups: int = 1,
-           wrap=lambda f: f):
+           wrap=lambda f: f, tile=None):
     cc = _capability()
     mode = native.mode_for(cc)
     n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
@@ -59,7 +59,7 @@ def _check(rng, op: Op, num_experts: int, k: int, n_out: int, sizes: np.ndarray,
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rows, x64 = _rows_for(mode, x)
     poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
-    call = wrap(jax.jit(functools.partial(native.run, op, compute_capability=cc)))
+    call = wrap(jax.jit(functools.partial(native.run, op, compute_capability=cc, tile=tile)))
     y = np.asarray(call(rows, w, jnp.asarray(sizes, jnp.int32), out=poisoned).astype(jnp.float32), np.float64)
     defined = int(sizes.sum())
     ref = (reference.gate_up_swiglu if op is Op.GATE_UP_SWIGLU else reference.grouped_matmul)(x64, w, sizes)
@@ -78,6 +78,69 @@ def test_native_matches_float64_reference(rng, op, groups, rows_per_expert):
     sizes = rng.integers(0, 2 * rows_per_expert, e).astype(np.int32)
     sizes[[0, 5, e - 1]] = [0, rows_per_expert, 0]  # empty first and last experts
     _check(rng, op, e, 512, 384, sizes, padding=37, groups=groups)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_native_row_paths_at_their_boundaries(rng, op):
+    """The SM90 prefill tiles' three row paths (tail, ``block_m`` and ``block_m + extra_m`` rows
+    in two MMAs sharing one dequantization): experts of each path's size, one row more and one
+    less, among empty ones, at 384 experts with the last ones used."""
+    if _capability() not in native.MANY_ROWS_TILES:
+        pytest.skip(f"SM{_capability()} has no many-rows tiles (measured on SM90 only)")
+    e, tail, block, extra = 384, 64, 128, 64
+    sizes = np.zeros(e, np.int32)
+    sizes[[0, 1, 2, 3, 5, 7, 100, 380, 381, 382, 383]] = [
+        tail, tail + 1, block, block + 1, block + extra, block + extra + 1, tail - 1, 1, block + extra - 1,
+        2 * (block + extra) + tail, 3 * (block + extra) + tail + 1]
+    tile = native.MANY_ROWS_TILES[90][Op.MATMUL] if op is Op.MATMUL else native.NATIVE_TILES[90][(Variant.PREFILL, op)]
+    assert (tile.tail_m, tile.block_m, tile.extra_m) == (tail, block, extra), tile
+    _check(rng, op, e, 256, 128, sizes, padding=29, tile=tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [64, 1], ids=["routed", "shared"])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_native_at_the_serving_soaks_shapes(rng, op, experts):
+    """Every bucket of ``test_serving_gpu.py``'s soak (16 to 8192 tokens, top-8 of 64 experts
+    at H=1024, F=512, and its shared expert as one group of all tokens), part-filled as a
+    bucket is: each tile family (decode, one group, prefill with tails and extra rows, many
+    rows) at row counts the layer gives it, with the unfilled rows NaN-poisoned."""
+    from moe_jax.serving import token_buckets
+
+    h, f, top_k = 1024, 512, 8
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    rows_per_token = top_k if experts > 1 else 1
+    for bucket in token_buckets(8192):
+        tokens = bucket if bucket == 8192 else int(rng.integers(bucket // 2 + 1, bucket + 1))
+        sizes = rng.multinomial(tokens * rows_per_token, rng.dirichlet(np.ones(experts))).astype(np.int32)
+        _check(rng, op, experts, k, n_out, sizes, padding=(bucket - tokens) * rows_per_token)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_expert", [3, 150])
+def test_native_gate_up_writes_the_down_kernels_column_order(rng, rows_per_expert):
+    """``out_k_order``/``x_k_order`` (W4A16): the gate/up output in the down kernel's column
+    order is the natural output permuted (bit for bit), and the down kernel reading it so gives
+    the same rows as reading the natural output."""
+    cc = _capability()
+    if native.mode_for(cc) is not native.Mode.W4A16:
+        pytest.skip(f"SM{cc} runs W4A4: the column orders are the W4A16 kernels'")
+    e, k, f, h = 12, 512, 256, 384
+    sizes = rng.integers(0, 2 * rows_per_expert, e).astype(np.int32)
+    sizes[-1] = 0
+    m, defined = int(sizes.sum()) + 7, int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w_gu, w_d, g = _random_nvfp4(rng, e, 2 * f, k), _random_nvfp4(rng, e, h, f), jnp.asarray(sizes)
+    order = native.k_order(Op.MATMUL, num_rows=m, num_experts=e, k=f, n_out=h, compute_capability=cc)
+    run = jax.jit(native.run, static_argnums=0, static_argnames=("compute_capability", "out_k_order", "x_k_order"))
+    natural = run(Op.GATE_UP_SWIGLU, x, w_gu, g, compute_capability=cc)
+    ordered = run(Op.GATE_UP_SWIGLU, x, w_gu, g, compute_capability=cc, out_k_order=order)
+    np.testing.assert_array_equal(np.asarray(native.permute_k(natural, order)[:defined]), np.asarray(ordered[:defined]))
+    y_natural = run(Op.MATMUL, natural, w_d, g, compute_capability=cc)
+    y_ordered = run(Op.MATMUL, ordered, w_d, g, compute_capability=cc, x_k_order=order)
+    np.testing.assert_array_equal(np.asarray(y_natural[:defined]), np.asarray(y_ordered[:defined]))
+    assert np.isfinite(np.asarray(y_ordered[:defined], np.float32)).all()
 
 
 @pytest.mark.gpu

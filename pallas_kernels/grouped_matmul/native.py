@@ -163,21 +163,25 @@ class NativeSpec:
 # One packed word (bytes b0..b3, element 2i in the low nibble of byte i) in $8 and its block
 # scale (bf16, ``scale * 2**119``) in $9; out: eight bf16 ``value * scale * 2**-7``, as four
 # pairs ($0, $1) .. ($6, $7), each pair one 32-bit register that goes into the MMA as it is.
-# A pair takes two codes 16 bits apart; once they sit at bits 12..15 and 28..31 their signs are in
-# place and their magnitudes move down by 6 (exponent bits 7..8, mantissa bit 6): ``(x & 0x80008000)
-# | ((x >> 6) & 0x01c001c0)`` is ``value * 2**-126``, and one bf16x2 FMA with -0 (``mul.bf16x2``
-# needs SM90) applies the scale exactly.
-# Pairs: hi(b1), hi(b3) at shift 0; hi(b0), hi(b2) at 8; lo(b1), lo(b3) at 4; lo(b0), lo(b2) at 12.
-def _pair_ptx(shift: int, out_lo: str, out_hi: str) -> str:
-    x = "$8" if shift == 0 else "x"
-    return ("" if shift == 0 else f"shl.b32 x, $8, {shift};\n") + (
-        f"and.b32 p, {x}, 0x80008000;\nshr.b32 m, {x}, 6;\nand.b32 m, m, 0x01c001c0;\nor.b32 p, p, m;\n"
-        f"fma.rn.bf16x2 p, p, s2, z;\nmov.b32 {{{out_lo}, {out_hi}}}, p;\n")
+# A pair is two codes 16 bits apart, sign at bits 15 and 31, magnitude at 6..8 and 22..24
+# (exponent bits 7..8, mantissa bit 6): ``value * 2**-126``; one bf16x2 FMA with -0
+# (``mul.bf16x2`` needs SM90) then applies the scale exactly. In a code the sign sits 1 bit
+# above the magnitude, in a bf16 7 bits above, so two words first set that distance for four
+# codes each: v1 moves the signs of codes 0, 1, 4, 5 up by 6, v2 the magnitudes of codes 2, 3,
+# 6, 7 down by 6 (the bits no pair reads are left as they fall). Then each pair is one shift of
+# v1 or v2 and one mask: (v1 << 6) codes 0 and 4, (v1 << 2) 1 and 5, (v2 << 4) 2 and 6, v2 3
+# and 7.
+def _pair_ptx(word: str, shift: int, out_lo: str, out_hi: str) -> str:
+    placed = f"shl.b32 p, {word}, {shift};\nand.b32 p, p, 0x81c081c0;\n" if shift else f"and.b32 p, {word}, 0x81c081c0;\n"
+    return placed + f"fma.rn.bf16x2 p, p, s2, z;\nmov.b32 {{{out_lo}, {out_hi}}}, p;\n"
 
 
 _WORD_TO_BF16_PTX = tl.constexpr(
-    "{\n.reg .b32 x, p, m, s2, z;\nmov.b32 s2, {$9, $9};\nmov.b32 z, 0x80008000;\n" + _pair_ptx(12, "$0", "$1") + _pair_ptx(8, "$2", "$3")
-    + _pair_ptx(4, "$4", "$5") + _pair_ptx(0, "$6", "$7") + "}\n")
+    "{\n.reg .b32 t, v1, v2, p, s2, z;\nmov.b32 s2, {$9, $9};\nmov.b32 z, 0x80008000;\n"
+    "shl.b32 t, $8, 6;\nlop3.b32 v1, $8, t, 0x00770077, 0xe4;\n"
+    "shr.b32 t, $8, 6;\nlop3.b32 v2, t, $8, 0x01dc01dc, 0xe4;\n"
+    + _pair_ptx("v1", 6, "$0", "$1") + _pair_ptx("v1", 2, "$2", "$3") + _pair_ptx("v2", 4, "$4", "$5")
+    + _pair_ptx("v2", 0, "$6", "$7") + "}\n")
 
 #: The nibble (element ``8w + n`` of word ``w``) that asm output ``j`` holds: pairs
 #: (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3), (hi b1, hi b3).

@@ -157,28 +157,86 @@ def test_w4a4_activation_rows_are_checked_field_by_field():
         native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
 
 
+def _run_ptx(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Evaluates the W4A16 asm block on uint32 registers (numpy arrays): the instructions it uses,
+    ``mov`` with ``{lo, hi}`` packing and unpacking included; ``fma.rn.bf16x2`` is checked to be
+    exact (no rounding), so the bits it returns are the product's."""
+    regs = dict(operands)
+    mask = np.uint64(0xFFFFFFFF)
+
+    def val(token):
+        token = token.strip()
+        return np.uint64(int(token, 16) if token.startswith("0x") else int(token)) if token[0].isdigit() else regs[token]
+
+    def bf16(bits16):
+        return (bits16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    for line in ptx.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):  # unpack: {lo, hi}, src
+            lo, hi, src = re.match(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
+            regs[lo], regs[hi] = val(src) & np.uint64(0xFFFF), val(src) >> np.uint64(16)
+            continue
+        dst, *src = [a.strip() for a in re.split(r",(?![^{]*\})", args)]
+        if op == "mov.b32" and src[0].startswith("{"):  # pack: dst, {lo, hi}
+            lo, hi = re.match(r"\{\s*(\S+),\s*(\S+)\s*\}", src[0]).groups()
+            regs[dst] = (val(lo) & np.uint64(0xFFFF)) | ((val(hi) & np.uint64(0xFFFF)) << np.uint64(16))
+        elif op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << val(src[1])) & mask
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> val(src[1])
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(x) for x in src)
+            out = np.zeros_like(a)
+            for bit in range(8):  # the LUT's bit (a << 2 | b << 1 | c) per input combination
+                if int(lut) >> bit & 1:
+                    ta, tb, tc = (a if bit & 4 else ~a & mask), (b if bit & 2 else ~b & mask), (c if bit & 1 else ~c & mask)
+                    out |= ta & tb & tc
+            regs[dst] = out
+        elif op == "fma.rn.bf16x2":
+            halves = []
+            for shift in (np.uint64(0), np.uint64(16)):
+                a, b, c = ((val(x) >> shift) & np.uint64(0xFFFF) for x in src)
+                exact = bf16(a) * bf16(b) + bf16(c)
+                as32 = exact.astype(np.float32)
+                assert (as32.astype(np.float64) == exact).all()
+                bits = as32.view(np.uint32)
+                assert not (bits & 0xFFFF).any(), "fma.rn.bf16x2 would round"
+                halves.append((bits >> 16).astype(np.uint64))
+            regs[dst] = halves[0] | (halves[1] << np.uint64(16))
+        else:
+            raise AssertionError(f"instruction not emulated: {op}")
+    return regs
+
+
 @pytest.mark.parametrize("block_k", [64, 128, 256])
 def test_w4a16_word_pairs_and_column_order(block_k):
-    """The W4A16 tile, emulated in numpy from the PTX's shifts and masks: asm output ``j`` of word
-    ``w`` is element ``8w + _OUTPUT_NIBBLE[j]``; the kernel's join/reshape/permute of the outputs
-    puts element ``permute_k(arange)[k]`` in MMA column ``k``; and MMA thread column ``c``
-    (column bits 1-2) reads contiguous words (one vector load)."""
+    """The W4A16 asm block (``_WORD_TO_BF16_PTX``) evaluated instruction by instruction: asm
+    output ``j`` of word ``w`` is element ``8w + _OUTPUT_NIBBLE[j]`` times the block scale times
+    ``2**-7``, exactly, for every code at every position; the kernel's join/reshape/permute of
+    the outputs puts element ``permute_k(arange)[k]`` in MMA column ``k``; and MMA thread column
+    ``c`` (column bits 1-2) reads contiguous words (one vector load)."""
     rng = np.random.default_rng(block_k)
     codes = rng.integers(0, 16, size=(8, block_k))
+    codes[0, :16] = np.arange(16)  # every code in the first two words
+    codes[1, :16] = np.arange(16)[::-1]
     words = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view("<u4").astype(np.uint64)
     values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
-
-    def placed(bits16):  # bf16 bits -> value * 2**126 (the PTX's placement, no scale)
-        sign = np.where(bits16 & 0x8000, -1.0, 1.0)
-        exponent, mantissa = (bits16 >> 7) & 0xFF, (bits16 & 0x7F) / 128
-        magnitude = np.where(exponent == 0, mantissa * 2.0**-126, (1 + mantissa) * 2.0 ** (exponent.astype(float) - 127))
-        return sign * magnitude * 2.0**126
-
-    outputs = []
-    for shift in (12, 8, 4, 0):  # the pairs of _WORD_TO_BF16_PTX, in output order
-        x = (words << shift) & 0xFFFFFFFF
-        p = (x & 0x80008000) | ((x >> 6) & 0x01C001C0)
-        outputs += [placed(p & 0xFFFF), placed(p >> 16)]
+    # Block scales as the kernel feeds them: E4M3 (positive, normal and subnormal) times 2**119, in bf16.
+    scale = np.asarray(jnp.asarray(rng.uniform(2.0**-9, 448, words.shape), jnp.float8_e4m3fn).astype(jnp.float32),
+                       np.float64)
+    scale_bits = (np.asarray(jnp.asarray(scale * 2.0**119, jnp.bfloat16)).view(np.uint16)).astype(np.uint64)
+    regs = _run_ptx(native._WORD_TO_BF16_PTX.value.replace("$", "r"), {"r8": words, "r9": scale_bits})
+    outputs = [regs[f"r{j}"].astype(np.uint16).view(jnp.bfloat16).astype(np.float64) / scale * 128 for j in range(8)]
     expected = np.where(codes & 8, -1.0, 1.0) * values[codes & 7]
     for j, nibble in enumerate(native._OUTPUT_NIBBLE):
         np.testing.assert_array_equal(outputs[j], expected[:, nibble::8])

@@ -320,22 +320,12 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
     ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
              + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
-    if W4A4:
-        x_at = x_ptr + first_row * (K // 2) + (local_m[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-        xs_at = (x_scale_ptr + first_row * (K // 16)
-                 + (local_m[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-    else:
-        x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, BLOCK_K, W4A4)
     if EXTRA_M > 0:
         local_x = BLOCK_M + tl.arange(0, EXTRA_M)
         row_ok_x = row_start + local_x < row_end
         acc2 = tl.zeros((R, EXTRA_M), tl.float32)
-        if W4A4:
-            x2_at = x_ptr + first_row * (K // 2) + (local_x[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-            xs2_at = (x_scale_ptr + first_row * (K // 16)
-                      + (local_x[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
-        else:
-            x2_at = x_ptr + first_row * K + (local_x[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, BLOCK_K, W4A4)
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
         if W4A4:
             w_rj = tl.load(w_at + i * (BLOCK_K // 2))
@@ -364,6 +354,20 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
     if EXTRA_M > 0:
         _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
                   G, FUSED, W4A4, EXTRA_M, BLOCK_N, OUT_K_ORDER)
+
+
+@triton.jit
+def _row_pointers(x_ptr, x_scale_ptr, first_row, local, K: tl.constexpr, BLOCK_K: tl.constexpr, W4A4: tl.constexpr):
+    """The first K step's activation pointers of rows ``first_row + local``: W4A4 the packed codes
+    and their block scales; W4A16 the bf16 values (and ``x_scale_ptr`` as it is, never read)."""
+    if W4A4:
+        x_at = x_ptr + first_row * (K // 2) + (local[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        xs_at = (x_scale_ptr + first_row * (K // 16)
+                 + (local[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    else:
+        x_at = x_ptr + first_row * K + (local[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        xs_at = x_scale_ptr
+    return x_at, xs_at
 
 
 @triton.jit

@@ -42,9 +42,9 @@ G, M = Op.GATE_UP_SWIGLU, Op.MATMUL
 # MMA); the 4-warp ones fit two programs per SM.
 CANDIDATES = {
     ("decode", G): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 32, 256, 4, 3),
-                    decode_tile(16, 32, 256, 4, 4)],
-    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 512, 4, 2),
-                    decode_tile(16, 128, 256, 4, 3)],
+                    decode_tile(16, 128, 256, 8, 3), decode_tile(16, 64, 128, 4, 4)],
+    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 128, 256, 4, 3),
+                    decode_tile(16, 128, 128, 4, 4), decode_tile(16, 128, 256, 4, 4), decode_tile(16, 64, 512, 4, 2)],
     ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
                      prefill_tile(128, 64, 128, 8, 3, tail_m=64),
                      prefill_tile(128, 64, 64, 8, 3, extra_m=64, tail_m=64), prefill_tile(64, 64, 64, 4, 3, extra_m=64),

@@ -78,7 +78,9 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 
 
 # Per capability. SM90: the fastest of sweeps on an H200 at Kimi K2's real size (384 experts,
-# benchmarks/native_sweep.py): decode at 256 and 2048 rows (results/native_h200/native_sweep.json);
+# benchmarks/native_sweep.py): decode at 256 and 2048 rows (results/native_h200/native_sweep.json;
+# after the 15-instruction dequantization, native_sweep_9acbcda_dequant.json: the fused gate/up
+# 928 and 2008 us with 4 stages against 951 and 2085 with 3; down 16x64x256 and 16x128x256 within 2%);
 # prefill at 16384 and 65536 (native_sweep_4bd90d1_extra_rows.json: the fused gate/up 4.24 and
 # 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and
 # SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared
@@ -88,7 +90,7 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 3), _p(64, 128, 128, 4, 3),
+    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 4), _p(64, 128, 128, 4, 3),
                _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),

@@ -20,9 +20,10 @@ import csv
 import re
 import sys
 
-# (label, raw metric name, scale); the raw page gives durations in ms.
+# (label, raw metric name, scale); None: to microseconds by the unit the export's second row names
+# (ncu picks ns, us or ms by the value).
 METRICS = (
-    ("duration (us)", "gpu__time_duration.sum", 1e3),
+    ("duration (us)", "gpu__time_duration.sum", None),
     ("registers per thread", "launch__registers_per_thread", 1),
     ("achieved warps per SM", "sm__warps_active.avg.per_cycle_active", 1),
     ("issue slots busy (%)", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
@@ -42,6 +43,9 @@ def _number(text: str) -> float | None:
         return None
 
 
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
 def _table(path: str, header_first: str) -> tuple[list[str], list[list[str]]]:
     rows = list(csv.reader(open(path, newline="")))
     start = next(i for i, row in enumerate(rows) if row and row[0] == header_first)
@@ -49,8 +53,16 @@ def _table(path: str, header_first: str) -> tuple[list[str], list[list[str]]]:
     return header, [row for row in rows[start + 1:] if len(row) == len(header)]
 
 
+def _units(path: str) -> dict[str, str]:
+    """The raw page's second row: each metric's unit."""
+    rows = list(csv.reader(open(path, newline="")))
+    start = next(i for i, row in enumerate(rows) if row and row[0] == "ID")
+    return dict(zip(rows[start], rows[start + 1]))
+
+
 def kernels_section(raw_csv: str) -> list[str]:
     header, rows = _table(raw_csv, "ID")
+    units = _units(raw_csv)
     col = {name: i for i, name in enumerate(header)}
     rows = [row for row in rows if _number(row[col["gpu__time_duration.sum"]]) is not None]
     names = [row[col["Kernel Name"]] for row in rows]
@@ -59,7 +71,8 @@ def kernels_section(raw_csv: str) -> list[str]:
         cells = []
         for row in rows:
             value = _number(row[col[metric]])
-            cells.append("" if value is None else f"{value * scale:,.2f}")
+            factor = TO_US[units[metric]] if scale is None else scale
+            cells.append("" if value is None else f"{value * factor:,.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Cycles a warp spends per issued instruction, by stall reason (top 6 per kernel):", ""]
     for name, row in zip(names, rows):

@@ -68,3 +68,15 @@ def test_readme_grouped_gemm_table_matches_the_results():
     assert f"{mlp['native_ms'] / mlp['byte_floor_ms']:.2f}x its byte floor" in section
     assert f"({mlp['byte_floor_ms'] * 1e3:.1f} us for\n{mlp['bytes'] / 1e9:.3f} GB)" in section
     assert f"{mlp['ms'] * 1e3:.1f} us with the Pallas kernels ({mlp['ratio_to_floor']:.2f}x)" in section
+
+
+def test_ncu_durations_follow_the_exports_unit(tmp_path):
+    summary = _load("ncu_summary")
+    metrics = [metric for _, metric, _ in summary.METRICS]
+    for unit, value, expected in (("us", "909.6", "909.60"), ("ms", "0.4", "400.00"), ("ns", "2500", "2.50")):
+        raw = tmp_path / f"{unit}.csv"
+        rest = len(metrics) - 1
+        raw.write_text("\n".join([",".join(["ID", "Kernel Name", *metrics]), ",".join(["", "", unit, *[""] * rest]),
+                                  ",".join(["0", "k", value, *["1"] * rest])]) + "\n")
+        table = summary.kernels_section(str(raw))
+        assert table[2] == f"| duration (us) | {expected} |", (unit, table[2])

@@ -53,16 +53,9 @@ def _table(path: str, header_first: str) -> tuple[list[str], list[list[str]]]:
     return header, [row for row in rows[start + 1:] if len(row) == len(header)]
 
 
-def _units(path: str) -> dict[str, str]:
-    """The raw page's second row: each metric's unit."""
-    rows = list(csv.reader(open(path, newline="")))
-    start = next(i for i, row in enumerate(rows) if row and row[0] == "ID")
-    return dict(zip(rows[start], rows[start + 1]))
-
-
 def kernels_section(raw_csv: str) -> list[str]:
     header, rows = _table(raw_csv, "ID")
-    units = _units(raw_csv)
+    units = dict(zip(header, rows[0]))  # the raw page's row under the header: each metric's unit
     col = {name: i for i, name in enumerate(header)}
     rows = [row for row in rows if _number(row[col["gpu__time_duration.sum"]]) is not None]
     names = [row[col["Kernel Name"]] for row in rows]

@@ -120,6 +120,18 @@ MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
 }
 
 
+# The W4A16 input gradient (``dy @ W_e``, :func:`input_grad`): block_m rows, block_n output
+# columns (the weight's K), block_k the reduction step (the weight's N); (fewer than, at least)
+# INPUT_GRAD_MANY_ROWS rows per expert on average. Sized like the forward's prefill tiles (the
+# dequantized tile feeds the MMA as its B operand through shared memory), not yet swept.
+INPUT_GRAD_MANY_ROWS = 64
+INPUT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
+    80: (_p(16, 128, 64, 4, 3), _p(64, 128, 64, 4, 3)),
+    89: (_p(16, 128, 64, 4, 2), _p(64, 128, 64, 4, 2)),
+    90: (_p(64, 128, 64, 4, 3), _p(128, 128, 64, 8, 3)),
+}
+
+
 def check_capability(compute_capability: int) -> None:
     if compute_capability not in NATIVE_TILES:
         raise ValueError(f"compute_capability: {compute_capability!r} has no native tile configurations; "
@@ -139,8 +151,9 @@ class NativeSpec:
     block_k: int
     block_n: int
     max_tiles: int
+    k_chunk: int  # Columns dequantized and multiplied at a time; divides block_k.
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
-    out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
+    out_k_order: int = 0  # 0, or the k_chunk whose permute_k order the output's columns are written in.
 
     @property
     def weight_rows(self) -> int:
@@ -156,7 +169,7 @@ class NativeSpec:
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
-            BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+            BLOCK_N=self.block_n, BLOCK_K=self.block_k, SUB_K=self.k_chunk,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
             OUT_K_ORDER=self.out_k_order,
         )
@@ -233,7 +246,7 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
             GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
     the module docstring).
@@ -265,15 +278,15 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES,
                       OUT_K_ORDER)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K,
                            NUM_STAGES, OUT_K_ORDER)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K,
                        NUM_STAGES, OUT_K_ORDER)
 
 
@@ -281,25 +294,25 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
                out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
                W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+               BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
           K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
           W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+          BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
@@ -314,43 +327,47 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
     r = tl.arange(0, R)
     half_r = r // BLOCK_N
     w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
+    # Pointer tiles span one chunk of SUB_K columns; a pipeline stage loads BLOCK_K // SUB_K of
+    # them (so each weight row is read BLOCK_K // 2 bytes at a stretch) and multiplies them in turn.
     if W4A4:
-        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, SUB_K // 2)[None, :])
     else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
         w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
+                + (w_row_r[:, None] * (K // 8) + tl.arange(0, SUB_K // 8)[None, :]))
     ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
-             + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+             + (w_row_r[:, None] * (K // 16) + tl.arange(0, SUB_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
-    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, BLOCK_K, W4A4)
+    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, SUB_K, W4A4)
     if EXTRA_M > 0:
         local_x = BLOCK_M + tl.arange(0, EXTRA_M)
         row_ok_x = row_start + local_x < row_end
         acc2 = tl.zeros((R, EXTRA_M), tl.float32)
-        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, BLOCK_K, W4A4)
+        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, SUB_K, W4A4)
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
-        if W4A4:
-            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
-            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-            x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
-            # A masked row's scales read as 0: its products vanish whatever its codes.
-            xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
-            acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
-                                xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
-            if EXTRA_M > 0:
-                x2_mj = tl.load(x2_at + i * (BLOCK_K // 2), mask=row_ok_x[:, None], other=0)
-                xs2_mb = tl.load(xs2_at + i * (BLOCK_K // 16), mask=row_ok_x[:, None], other=0)
-                acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
-                                     xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
-        else:
-            x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
-            w_rw = tl.load(w_at + i * (BLOCK_K // 8))
-            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-            w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
-            acc = tl.dot(w_rk, tl.trans(x_mk), acc)
-            if EXTRA_M > 0:
-                x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
-                acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
+        for c in tl.static_range(BLOCK_K // SUB_K):
+            k0 = i * BLOCK_K + c * SUB_K  # this chunk's first column
+            if W4A4:
+                w_rj = tl.load(w_at + k0 // 2)
+                s_rb = tl.load(ws_at + k0 // 16)
+                x_mj = tl.load(x_at + k0 // 2, mask=row_ok_m[:, None], other=0)
+                # A masked row's scales read as 0: its products vanish whatever its codes.
+                xs_mb = tl.load(xs_at + k0 // 16, mask=row_ok_m[:, None], other=0)
+                acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
+                                    xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+                if EXTRA_M > 0:
+                    x2_mj = tl.load(x2_at + k0 // 2, mask=row_ok_x[:, None], other=0)
+                    xs2_mb = tl.load(xs2_at + k0 // 16, mask=row_ok_x[:, None], other=0)
+                    acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
+                                         xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
+            else:
+                x_mk = tl.load(x_at + k0, mask=row_ok_m[:, None], other=0.0)
+                w_rw = tl.load(w_at + k0 // 8)
+                s_rb = tl.load(ws_at + k0 // 16)
+                w_rk = _dequantize_w4a16(w_rw, s_rb, R, SUB_K)
+                acc = tl.dot(w_rk, tl.trans(x_mk), acc)
+                if EXTRA_M > 0:
+                    x2_mk = tl.load(x2_at + k0, mask=row_ok_x[:, None], other=0.0)
+                    acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
     _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
               FUSED, W4A4, BLOCK_M, BLOCK_N, OUT_K_ORDER)
     if EXTRA_M > 0:
@@ -402,6 +419,60 @@ def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr
     tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
 
 
+@triton.jit
+def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+                       out_ptr, N: tl.constexpr, K: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_T: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    """W4A16 input gradient: ``out[m, :] = dy[m, :] @ W_e`` for the rows ``m`` of expert ``e``, one
+    tile of ``BLOCK_M`` rows x ``BLOCK_O`` output columns (the weight's K) per program, reducing
+    over the weight's N rows ``BLOCK_R`` at a time.
+
+    ``dy_ptr`` bf16 ``[M, N]``; ``w_ptr`` uint8 ``[E, N, K/2]`` read as whole 32-bit words,
+    ``w_scale_ptr`` uint8 ``[E, N, K/16]`` (E4M3 bits), ``w_global_ptr`` float32 ``[E]``;
+    ``out_ptr`` bf16 ``[M, K]``, rows past an expert's end left unwritten. The weight tile is
+    dequantized as the forward kernels do (:func:`_dequantize_w4a16`), so its columns come in
+    :func:`permute_k`'s order; each output column is stored where it belongs instead.
+    """
+    num_o_tiles: tl.constexpr = K // BLOCK_O
+    per_group: tl.constexpr = GROUP_T * num_o_tiles
+    pid = tl.program_id(0)
+    first_t = (pid // per_group) * GROUP_T
+    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
+    local = pid % per_group
+    t = first_t + local % rows_here
+    j = local // rows_here
+    row_start = tl.load(tile_start_ptr + t)
+    row_end = tl.load(tile_end_ptr + t)
+    if row_start < row_end:
+        # 64-bit scalar bases, 32-bit offsets inside one expert's matrix and one row tile.
+        expert = tl.load(tile_expert_ptr + t).to(tl.int64)
+        first_row = row_start.to(tl.int64)
+        local_m = tl.arange(0, BLOCK_M)
+        row_ok_m = row_start + local_m < row_end
+        n_r = tl.arange(0, BLOCK_R)
+        w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N * (K // 8))
+                + (n_r[:, None] * (K // 8) + (j * (BLOCK_O // 8) + tl.arange(0, BLOCK_O // 8))[None, :]))
+        ws_at = (w_scale_ptr + expert * (N * (K // 16))
+                 + (n_r[:, None] * (K // 16) + (j * (BLOCK_O // 16) + tl.arange(0, BLOCK_O // 16))[None, :]))
+        dy_at = dy_ptr + first_row * N + (local_m[:, None] * N + n_r[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_O), tl.float32)
+        for i in tl.range(0, N // BLOCK_R, num_stages=NUM_STAGES, warp_specialize=False):
+            dy_mr = tl.load(dy_at + i * BLOCK_R, mask=row_ok_m[:, None], other=0.0)
+            w_rw = tl.load(w_at + i * (BLOCK_R * (K // 8)))
+            s_rb = tl.load(ws_at + i * (BLOCK_R * (K // 16)))
+            acc = tl.dot(dy_mr, _dequantize_w4a16(w_rw, s_rb, BLOCK_R, BLOCK_O), acc)
+        # The weight's global scale, and the 2**7 the dequantized operand is short of.
+        acc = acc * (tl.load(w_global_ptr + expert) * 128.0)
+        # Tile column p holds weight column e(p) of this tile (permute_k's order, inverted).
+        p = tl.arange(0, BLOCK_O)
+        g_groups: tl.constexpr = BLOCK_O // 32
+        cols_o = (j * BLOCK_O + ((p // 2) % 4) * (8 * g_groups) + (p // 32) * 8 + (p % 2) * 4 + ((p // 16) % 2) * 2
+                  + (p // 8) % 2)
+        out_at = out_ptr + first_row * K + (local_m[:, None] * K + cols_o[None, :])
+        tl.store(out_at, acc.to(tl.bfloat16), mask=row_ok_m[:, None])
+
+
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
               compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
@@ -427,7 +498,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
                          "operand broke triton 3.6's tensor-memory pass there)")
     return NativeSpec(
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
-        block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
+        block_k=block_k, k_chunk=min(tile.k_chunk, block_k), block_n=tuning.fit_block(tile.block_n, n_out, 16),
         max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
         out_k_order=out_k_order,
     )
@@ -512,11 +583,11 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
       tile: overrides the tile table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
         kernel does not write keep its values.
-      out_k_order: W4A16 only; 0, or the ``block_k`` of a W4A16 kernel that reads this output
-        next (:func:`k_order`): the columns are written in its :func:`permute_k` order, so that
-        it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
+      out_k_order: W4A16 only; 0, or the chunk width (:func:`k_order`) of a W4A16 kernel that reads
+        this output next: the columns are written in its :func:`permute_k` order, so that it
+        takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
       x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
-        ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
+        chunks of ``x_k_order`` columns, which must be this launch's (:func:`k_order`).
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype, capability or mode.
@@ -548,15 +619,15 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
                          f"output's {n_out} columns")
     spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
                      compute_capability=compute_capability, tile=tile, out_k_order=out_k_order)
-    if x_k_order and x_k_order != spec.block_k:
-        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's block_k {spec.block_k} (k_order())")
+    if x_k_order and x_k_order != spec.k_chunk:
+        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's k_chunk {spec.k_chunk} (k_order())")
     match mode:
         case Mode.W4A4:
             rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
         case Mode.W4A16:
             # x's columns in the dequantized tiles' order; the one-element placeholders (unread
             # by W4A16) keep a single kernel signature.
-            x_perm = x if x_k_order else permute_k(x, spec.block_k)
+            x_perm = x if x_k_order else permute_k(x, spec.k_chunk)
             rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
@@ -566,10 +637,123 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
             tile: TileConfig | None = None) -> int:
-    """The ``block_k`` whose :func:`permute_k` column order a W4A16 launch of these shapes reads
+    """The chunk width whose :func:`permute_k` column order a W4A16 launch of these shapes reads
     ``x`` in (for ``out_k_order`` of the kernel that writes ``x``)."""
     return make_spec(op, Mode.W4A16, num_rows=num_rows, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
-                     compute_capability=compute_capability, tile=tile).block_k
+                     compute_capability=compute_capability, tile=tile).k_chunk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InputGradSpec:
+    """Everything static about one input-gradient launch (hashable: it keys the jit cache)."""
+
+    tile: TileConfig
+    num_rows: int
+    n: int  # the reduction: the weight's rows
+    k: int  # the output's columns: the weight's K
+    block_o: int
+    block_r: int
+    max_tiles: int
+
+    @property
+    def num_programs(self) -> int:
+        return self.max_tiles * (self.k // self.block_o)
+
+    def constexprs(self) -> dict:
+        return dict(N=self.n, K=self.k, NUM_TILES=self.max_tiles, BLOCK_M=self.tile.block_m, BLOCK_O=self.block_o,
+                    BLOCK_R=self.block_r, GROUP_T=min(self.tile.group_t, self.max_tiles),
+                    NUM_STAGES=self.tile.num_stages)
+
+
+def make_input_grad_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capability: int,
+                         tile: TileConfig | None = None) -> InputGradSpec:
+    """The input-gradient launch for these shapes (:data:`INPUT_GRAD_TILES` unless ``tile``)."""
+    if compute_capability not in INPUT_GRAD_TILES:
+        raise ValueError(f"compute_capability: {compute_capability!r} has no W4A16 input-gradient tiles; known: "
+                         f"{sorted(INPUT_GRAD_TILES)} (W4A4 capabilities train through 'pallas')")
+    if tile is None:
+        few, many = INPUT_GRAD_TILES[compute_capability]
+        tile = many if num_rows >= INPUT_GRAD_MANY_ROWS * num_experts else few
+    if tile.extra_m or tile.tail_m or tile.sub_k:
+        raise ValueError(f"tile: extra_m={tile.extra_m}, tail_m={tile.tail_m}, sub_k={tile.sub_k}, expected 0 "
+                         "(forward-kernel features)")
+    block_r = tuning.fit_block(tile.block_k, n, K_MULTIPLE)
+    tile = dataclasses.replace(tile, num_stages=max(1, min(tile.num_stages, n // block_r)))
+    return InputGradSpec(tile=tile, num_rows=num_rows, n=n, k=k, block_o=tuning.fit_block(tile.block_n, k, K_MULTIPLE),
+                         block_r=block_r, max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m))
+
+
+def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None) -> jax.Array:
+    """The gradient of :func:`run`'s ``Op.MATMUL`` with respect to ``x``: bf16 ``[M, K]``, row
+    ``m`` of expert ``e`` times ``W_e`` (not transposed), W4A16 (weights dequantized in registers
+    as the forward kernels do, bf16 tensor cores).
+
+    Args:
+      dy_mn: bf16 ``[M, N]``, rows sorted by expert (the output cotangent).
+      w: the forward's NVFP4 weight in ModelOpt's layout (``.packed`` uint8 ``[E, N, K/2]``,
+        ``.scales`` float8_e4m3fn ``[E, N, K/16]``, ``.global_scale`` float32 ``[E]``: a fused
+        gate/up weight whose halves have their own global scales is passed with them folded into
+        ``dy_mn``'s columns instead).
+      group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
+      compute_capability: picks the tile (:data:`INPUT_GRAD_TILES`: SM80-SM90).
+      tile: overrides the table (benchmark sweeps).
+
+    Raises:
+      ValueError: naming the argument, for a bad shape, dtype or capability.
+    """
+    if not hasattr(dy_mn, "dtype") or np.dtype(dy_mn.dtype) != np.dtype(jnp.bfloat16) or dy_mn.ndim != 2:
+        found = f"{dy_mn.dtype}{list(dy_mn.shape)}" if hasattr(dy_mn, "dtype") else type(dy_mn).__name__
+        raise ValueError(f"dy_mn: {found}, expected bfloat16 [M, N]")
+    m, n = dy_mn.shape
+    if n % K_MULTIPLE or n == 0:
+        raise ValueError(f"dy_mn: N={n}, expected a positive multiple of {K_MULTIPLE}")
+    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
+        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
+    num_experts = group_sizes_e.shape[0]
+    if not all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
+        raise ValueError(f"w: {type(w).__name__}, expected an NVFP4 tensor (.packed, .scales, .global_scale)")
+    k = 2 * w.packed.shape[-1] if w.packed.ndim == 3 else -1
+    expected = {"packed": (np.uint8, (num_experts, n, k // 2)), "scales": (_FLOAT8_E4M3FN, (num_experts, n, k // 16)),
+                "global_scale": (np.float32, (num_experts,))}
+    for field, (dtype, shape) in expected.items():
+        a = getattr(w, field)
+        if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:
+            raise ValueError(f"w.{field}: {a.dtype}{list(a.shape)}, expected {np.dtype(dtype).name} {list(shape)} for "
+                             f"E={num_experts} (group_sizes_e), N={n} (dy_mn), K"
+                             + ("; gate's and up's own global scales are folded into dy_mn instead"
+                                if field == "global_scale" else ""))
+    if k % K_MULTIPLE or k <= 0:
+        raise ValueError(f"w.packed: K={k}, expected a positive multiple of {K_MULTIPLE}")
+    if m == 0:
+        return jnp.zeros((0, k), jnp.bfloat16)
+    spec = make_input_grad_spec(num_rows=m, num_experts=num_experts, n=n, k=k, compute_capability=compute_capability,
+                                tile=tile)
+    return launch_input_grad(spec, group_sizes_e, dy_mn, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+                             w.global_scale)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def launch_input_grad(spec: InputGradSpec, group_sizes_e, dy_mn, packed, scales_u8, global_scale_e):
+    """Runs the input-gradient kernel: bf16 ``[M, K]``, rows past ``sum(group_sizes_e)`` unwritten."""
+    import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
+
+    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
+                                            num_tiles=spec.max_tiles)
+    operands = (*schedule, dy_mn, packed, scales_u8, global_scale_e)
+    name = "native_input_grad_w4a16"
+    with jax.named_scope(name):
+        dx = jax_triton.triton_call(
+            *operands, kernel=_input_grad_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.k), jnp.bfloat16),
+            grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
+            **spec.constexprs())
+    return _same_varying_axes([dx], operands)[0]
+
+
+def input_grad_signature(spec: InputGradSpec) -> dict[str, str]:
+    """The input-gradient kernel's argument types for ``triton.compile`` (cross-compilation)."""
+    types = ["*i32", "*i32", "*i32", "*bf16", "*u8", "*u8", "*fp32", "*bf16"]
+    return {**dict(zip(_input_grad_kernel.arg_names, types, strict=False)),
+            **{name: "constexpr" for name in spec.constexprs()}}
 
 
 def _same_varying_axes(outputs, operands):
@@ -622,6 +806,11 @@ def kernel_function():
     return _kernel
 
 
+def input_grad_kernel_function():
+    """The input-gradient ``@triton.jit`` kernel (for cross-compilation and the interpreter)."""
+    return _input_grad_kernel
+
+
 def signature(spec: NativeSpec) -> dict[str, str]:
     """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
     x = "*u8" if spec.mode is Mode.W4A4 else "*bf16"
@@ -630,5 +819,6 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-__all__ = ["MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "launch", "k_order",
-           "make_spec", "mode_for", "run"]
+__all__ = ["INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
+           "InputGradSpec", "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec",
+           "mode_for", "run"]

@@ -1,10 +1,10 @@
-"""Runs the native W4A4 kernels (``pallas_kernels/grouped_matmul/native.py``) in Triton's
-interpreter on CPU, with NumPy buffers and every memory access bounds-checked.
+"""Runs the native kernels (``pallas_kernels/grouped_matmul/native.py``), W4A4 and W4A16, in
+Triton's interpreter on CPU, with NumPy buffers and every memory access bounds-checked.
 
 Needs triton 3.9.0 and ``TRITON_INTERPRET=1`` before triton is imported (``./run test`` runs
 ``tests/interpreter/`` in ``.venv-interpret`` so; see ``conftest.py`` there).
 
-Triton 3.9.0's interpreter is close to what the GPU does but for three things that matter here,
+Triton 3.9.0's interpreter is close to what the GPU does but for four things that matter here,
 corrected in one place, :func:`install`, against its private names (it raises if they moved):
 
 1. ``dot_scaled`` decodes every scale byte as E8M0 (``2**(byte - 127)``), also scales typed
@@ -14,6 +14,14 @@ corrected in one place, :func:`install`, against its private names (it raises if
    rounds to nearest even here too.
 3. Launching copies array arguments to and from torch storages. NumPy buffers live in host
    memory already: they are passed as they are, by address.
+
+4. bfloat16 values are stored as their uint16 bits, and arithmetic (``*``, ``+``, ...) and
+   ``tl.dot`` on them operate on those bits as integers. They are decoded to float32 first here
+   (products of two bf16 are exact there), and arithmetic results rounded to nearest even.
+
+It also runs what it has no support for at all: inline PTX (``tl.inline_asm_elementwise``, the
+W4A16 kernels' E2M1 placement) is evaluated instruction by instruction by ``ptx_emulator``,
+which knows exactly the instructions that block uses and raises on any other.
 
 What the interpreter cannot see, this module adds: a load or store lane whose address falls
 outside the buffer its other lanes address (each tile derives from one argument) is counted
@@ -28,8 +36,13 @@ import os
 
 import ml_dtypes
 import numpy as np
+import ptx_emulator
 
 TRITON_VERSION = "3.9.0"
+
+#: The interpreter's float arithmetic that correction 4 routes through float32 for bf16 operands.
+_BF16_ARITHMETIC = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_fneg", "create_minimumf",
+                    "create_maximumf", "create_minnumf", "create_maxnumf")
 
 #: Out-of-buffer load/store lanes seen since the last :func:`reset` (op, lanes, detail).
 VIOLATIONS: list[tuple[str, int, str]] = []
@@ -98,7 +111,7 @@ def _in_bounds(op: str, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> np
 
 
 def install() -> None:
-    """The three corrections above and the bounds checks; idempotent. Raises if triton moved."""
+    """The corrections above, the inline PTX and the bounds checks; idempotent. Raises if triton moved."""
     reason = check_environment()
     if reason:
         raise RuntimeError(reason)
@@ -106,7 +119,8 @@ def install() -> None:
 
     needed = ("_dot_scaled_scale_to_f32", "InterpreterBuilder", "GridExecutor", "TensorHandle")
     missing = [name for name in needed if not hasattr(it, name)]
-    for cls, attrs in (("InterpreterBuilder", ("cast_impl", "create_masked_load", "create_masked_store")),
+    for cls, attrs in (("InterpreterBuilder", ("cast_impl", "create_masked_load", "create_masked_store",
+                                               "create_inline_asm", "create_dot", *_BF16_ARITHMETIC)),
                        ("GridExecutor", ("_init_args_hst", "_restore_args_dev"))):
         missing += [f"{cls}.{a}" for a in attrs if not hasattr(getattr(it, cls, None), a)]
     if missing:
@@ -125,14 +139,38 @@ def install() -> None:
 
     cast = it.InterpreterBuilder.cast_impl
 
+    def to_bf16(values_f32):
+        bits = np.ascontiguousarray(values_f32, np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded[np.isnan(values_f32)] = 0x7FC0
+        return rounded.reshape(np.shape(values_f32))
+
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            nan = np.isnan(src.data)
-            rounded[nan] = 0x7FC0
-            return it.TensorHandle(rounded.reshape(np.shape(src.data)), tl.bfloat16)
+            return it.TensorHandle(to_bf16(src.data), tl.bfloat16)
         return cast(self, src, dst_type)
+
+    def from_bf16(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle.data
+        return (np.asarray(handle.data, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def bf16_arithmetic(name):
+        original = getattr(it.InterpreterBuilder, name)
+
+        def op(self, *operands):
+            if all(h.dtype.scalar != tl.bfloat16 for h in operands):
+                return original(self, *operands)
+            as_f32 = [it.TensorHandle(from_bf16(h), tl.float32) for h in operands]
+            return it.TensorHandle(to_bf16(original(self, *as_f32).data), tl.bfloat16)
+        return op
+
+    dot = it.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a, b = (it.TensorHandle(from_bf16(h), tl.float32) for h in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     load, store = it.InterpreterBuilder.create_masked_load, it.InterpreterBuilder.create_masked_store
 
@@ -145,10 +183,47 @@ def install() -> None:
         mask = it.TensorHandle(_in_bounds("store", ptrs.data, mask.data, value.data.dtype.itemsize), mask.dtype)
         return store(self, ptrs, value, mask, cache_policy)
 
+    def inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        return _InlineAsm(it, asm, constraints, values, types, pack)
+
     it._dot_scaled_scale_to_f32 = scale_to_f32
+    it.InterpreterBuilder.create_inline_asm = inline_asm
+    it.InterpreterBuilder.create_dot = create_dot
+    for name in _BF16_ARITHMETIC:
+        setattr(it.InterpreterBuilder, name, bf16_arithmetic(name))
     it.InterpreterBuilder.cast_impl = cast_impl
     it.InterpreterBuilder.create_masked_load = masked_load
     it.InterpreterBuilder.create_masked_store = masked_store
     it.GridExecutor._init_args_hst = lambda self, args, kwargs: (list(args), dict(kwargs))
     it.GridExecutor._restore_args_dev = lambda self, *args: None
     it._moe_jax_installed = True
+
+
+class _InlineAsm:
+    """The results of one ``tl.inline_asm_elementwise`` (``pack=1``), evaluated by
+    :mod:`ptx_emulator` on every element at once; ``get_result(i)`` as the builder's op has it."""
+
+    _BITS = {"h": (np.uint16, 0xFFFF), "r": (np.uint32, 0xFFFFFFFF)}
+
+    def __init__(self, it, asm: str, constraints: str, values, types, pack: int):
+        if pack != 1:
+            raise NotImplementedError(f"inline asm with pack={pack}: only pack=1 is emulated")
+        kinds = [c.strip() for c in constraints.split(",")]
+        outputs = [k.lstrip("=") for k in kinds if k.startswith("=")]
+        inputs = kinds[len(outputs):]
+        operands = {}
+        for i, (kind, value) in enumerate(zip(inputs, values, strict=True)):
+            dtype, _ = self._BITS[kind]
+            bits = np.ascontiguousarray(value.data).view(dtype) if value.data.dtype.itemsize == np.dtype(dtype).itemsize \
+                else value.data.astype(dtype)
+            operands[f"r{len(outputs) + i}"] = bits.astype(np.uint64)
+        regs = ptx_emulator.run(asm.replace("$", "r"), operands)
+        self._results = []
+        for j, (kind, ty) in enumerate(zip(outputs, types, strict=True)):
+            dtype, mask = self._BITS[kind]
+            scalar = getattr(ty, "scalar", ty)
+            bits = (regs[f"r{j}"] & np.uint64(mask)).astype(dtype)
+            self._results.append(it.TensorHandle(bits.view(it._get_np_dtype(scalar)), scalar))
+
+    def get_result(self, i: int):
+        return self._results[i]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("triton")
+import ptx_emulator  # noqa: E402
 from moe_jax.nvfp4 import NVFP4Tensor  # noqa: E402
 from pallas_kernels.grouped_matmul import crosscompile  # noqa: E402
 from pallas_kernels.grouped_matmul import native  # noqa: E402
@@ -138,7 +139,7 @@ def test_bad_input_gets_one_line_naming_the_argument():
         (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
         (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
         (dict(out_k_order=96), r"^out_k_order: 96, expected 0 or a power of two >= 64 dividing the output's 64 "),
-        (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's block_k 128 \(k_order\(\)\)$"),
+        (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's k_chunk 128 \(k_order\(\)\)$"),
         (dict(cc=120, x=rows, out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a4"),
     ]
     for change, message in cases:
@@ -155,67 +156,6 @@ def test_w4a4_activation_rows_are_checked_field_by_field():
                             global_scale=jnp.ones((9,), jnp.float32))
     with pytest.raises(ValueError, match=r"^x\.global_scale: float32\[9\], expected float32 \[10\]$"):
         native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
-
-
-def _run_ptx(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Evaluates the W4A16 asm block on uint32 registers (numpy arrays): the instructions it uses,
-    ``mov`` with ``{lo, hi}`` packing and unpacking included; ``fma.rn.bf16x2`` is checked to be
-    exact (no rounding), so the bits it returns are the product's."""
-    regs = dict(operands)
-    mask = np.uint64(0xFFFFFFFF)
-
-    def val(token):
-        token = token.strip()
-        return np.uint64(int(token, 16) if token.startswith("0x") else int(token)) if token[0].isdigit() else regs[token]
-
-    def bf16(bits16):
-        return (bits16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-    for line in ptx.strip().strip("{}").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        if op == "mov.b32" and args.startswith("{"):  # unpack: {lo, hi}, src
-            lo, hi, src = re.match(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
-            regs[lo], regs[hi] = val(src) & np.uint64(0xFFFF), val(src) >> np.uint64(16)
-            continue
-        dst, *src = [a.strip() for a in re.split(r",(?![^{]*\})", args)]
-        if op == "mov.b32" and src[0].startswith("{"):  # pack: dst, {lo, hi}
-            lo, hi = re.match(r"\{\s*(\S+),\s*(\S+)\s*\}", src[0]).groups()
-            regs[dst] = (val(lo) & np.uint64(0xFFFF)) | ((val(hi) & np.uint64(0xFFFF)) << np.uint64(16))
-        elif op == "mov.b32":
-            regs[dst] = val(src[0])
-        elif op == "shl.b32":
-            regs[dst] = (val(src[0]) << val(src[1])) & mask
-        elif op == "shr.b32":
-            regs[dst] = val(src[0]) >> val(src[1])
-        elif op == "and.b32":
-            regs[dst] = val(src[0]) & val(src[1])
-        elif op == "or.b32":
-            regs[dst] = val(src[0]) | val(src[1])
-        elif op == "lop3.b32":
-            a, b, c, lut = (val(x) for x in src)
-            out = np.zeros_like(a)
-            for bit in range(8):  # the LUT's bit (a << 2 | b << 1 | c) per input combination
-                if int(lut) >> bit & 1:
-                    ta, tb, tc = (a if bit & 4 else ~a & mask), (b if bit & 2 else ~b & mask), (c if bit & 1 else ~c & mask)
-                    out |= ta & tb & tc
-            regs[dst] = out
-        elif op == "fma.rn.bf16x2":
-            halves = []
-            for shift in (np.uint64(0), np.uint64(16)):
-                a, b, c = ((val(x) >> shift) & np.uint64(0xFFFF) for x in src)
-                exact = bf16(a) * bf16(b) + bf16(c)
-                as32 = exact.astype(np.float32)
-                assert (as32.astype(np.float64) == exact).all()
-                bits = as32.view(np.uint32)
-                assert not (bits & 0xFFFF).any(), "fma.rn.bf16x2 would round"
-                halves.append((bits >> 16).astype(np.uint64))
-            regs[dst] = halves[0] | (halves[1] << np.uint64(16))
-        else:
-            raise AssertionError(f"instruction not emulated: {op}")
-    return regs
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 256])
@@ -235,7 +175,7 @@ def test_w4a16_word_pairs_and_column_order(block_k):
     scale = np.asarray(jnp.asarray(rng.uniform(2.0**-9, 448, words.shape), jnp.float8_e4m3fn).astype(jnp.float32),
                        np.float64)
     scale_bits = (np.asarray(jnp.asarray(scale * 2.0**119, jnp.bfloat16)).view(np.uint16)).astype(np.uint64)
-    regs = _run_ptx(native._WORD_TO_BF16_PTX.value.replace("$", "r"), {"r8": words, "r9": scale_bits})
+    regs = ptx_emulator.run(native._WORD_TO_BF16_PTX.value.replace("$", "r"), {"r8": words, "r9": scale_bits})
     outputs = [regs[f"r{j}"].astype(np.uint16).view(jnp.bfloat16).astype(np.float64) / scale * 128 for j in range(8)]
     expected = np.where(codes & 8, -1.0, 1.0) * values[codes & 7]
     for j, nibble in enumerate(native._OUTPUT_NIBBLE):

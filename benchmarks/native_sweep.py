@@ -12,6 +12,7 @@ Usage::
 
     python benchmarks/native_sweep.py --out DIR [--rows 256 2048 65536] [--runs 20]
     python benchmarks/native_sweep.py --out DIR --one-group --rows 32 256 1024
+    python benchmarks/native_sweep.py --out DIR --input-grad --rows 8192 32768
 """
 
 from __future__ import annotations
@@ -40,11 +41,19 @@ G, M = Op.GATE_UP_SWIGLU, Op.MATMUL
 # Prefill: tiles with extra rows (``extra_m``: a second MMA against the same dequantized weights)
 # and tail paths (``tail_m``: an expert's last tile of at most that many rows runs as a narrower
 # MMA); the 4-warp ones fit two programs per SM.
+# Decode: ``sub_k`` tiles load a whole stage of each weight row (block_k / 2 bytes at a stretch)
+# but dequantize it sub_k columns at a time: 121-127 registers (three programs per SM) where
+# the whole-stage tiles need 185-200, and 2.8-2.9 static instructions per weight against 3.2
+# (fused) and 3.8 (down) (triton 3.6, sm_90a).
 CANDIDATES = {
-    ("decode", G): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 32, 256, 4, 3),
-                    decode_tile(16, 128, 256, 8, 3), decode_tile(16, 64, 128, 4, 4)],
-    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 64, 256, 4, 4), decode_tile(16, 128, 256, 4, 3),
-                    decode_tile(16, 128, 128, 4, 4), decode_tile(16, 128, 256, 4, 4), decode_tile(16, 64, 512, 4, 2)],
+    ("decode", G): [decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 256, 4, 3, sub_k=64),
+                    decode_tile(16, 64, 256, 4, 4, sub_k=64), decode_tile(16, 64, 512, 4, 2, sub_k=64),
+                    decode_tile(16, 64, 512, 4, 2, sub_k=128), decode_tile(16, 64, 256, 4, 4, sub_k=128),
+                    decode_tile(16, 128, 256, 4, 2, sub_k=64)],
+    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 128, 256, 4, 3),
+                    decode_tile(16, 128, 256, 4, 3, sub_k=64), decode_tile(16, 128, 512, 4, 2, sub_k=64),
+                    decode_tile(16, 128, 256, 4, 4, sub_k=64), decode_tile(16, 128, 256, 4, 3, sub_k=128),
+                    decode_tile(16, 256, 256, 4, 2, sub_k=64)],
     ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
                      prefill_tile(128, 64, 128, 8, 3, tail_m=64),
                      prefill_tile(128, 64, 64, 8, 3, extra_m=64, tail_m=64), prefill_tile(64, 64, 64, 4, 3, extra_m=64),
@@ -60,10 +69,19 @@ CANDIDATES = {
 
 # One group holding every row (Kimi K2's shared expert, intermediate 2048 like a routed one);
 # None is the tile the kernel picks by itself.
-ONE_GROUP_CANDIDATES = [None, decode_tile(16, 64, 256, 4, 3), decode_tile(32, 32, 256, 4, 3),
-                        decode_tile(32, 64, 256, 4, 3), decode_tile(16, 32, 256, 4, 3), decode_tile(32, 32, 128, 4, 3),
-                        decode_tile(64, 32, 256, 4, 3), prefill_tile(128, 64, 128, 8, 3), prefill_tile(64, 32, 128, 4, 3),
-                        prefill_tile(128, 32, 128, 4, 2), prefill_tile(64, 64, 128, 4, 3), decode_tile(16, 16, 256, 4, 3)]
+ONE_GROUP_CANDIDATES = [None, decode_tile(32, 32, 256, 4, 3), decode_tile(32, 32, 256, 4, 3, sub_k=64),
+                        decode_tile(64, 32, 256, 4, 3, sub_k=64), decode_tile(32, 64, 256, 4, 3, sub_k=64),
+                        decode_tile(64, 64, 256, 4, 3, sub_k=64), prefill_tile(64, 32, 128, 4, 3),
+                        prefill_tile(128, 32, 128, 4, 2), decode_tile(128, 32, 256, 4, 3, sub_k=64)]
+
+
+# The W4A16 input gradient (``native.input_grad``, ``dy @ W_e``) at the training shape (48 local
+# experts: EP 8 of 384); block_n is its output tile (the weight's K), block_k its reduction step.
+INPUT_GRAD_EXPERTS = 48
+INPUT_GRAD_CANDIDATES = [None, prefill_tile(128, 128, 64, 8, 3), prefill_tile(128, 128, 64, 8, 4),
+                         prefill_tile(128, 256, 64, 8, 3), prefill_tile(128, 128, 128, 8, 3),
+                         prefill_tile(64, 128, 64, 4, 3), prefill_tile(128, 64, 64, 4, 3),
+                         prefill_tile(64, 256, 64, 4, 3)]
 
 
 def kimi_weights(experts: int = EXPERTS):
@@ -107,6 +125,46 @@ def sweep(weights, rows, candidates, *, runs: int):
                 yield entry
 
 
+def sweep_input_grad(weights, rows, candidates, *, runs: int):
+    """Times each input-gradient tile (None: the table's) on each projection's weights at each row
+    count, after checking it against the Pallas input-gradient kernel; the Pallas kernel's own
+    time is recorded beside them (``"tile": "pallas"``)."""
+    from pallas_kernels.grouped_matmul import grouped_matmul_input_grad  # noqa: PLC0415
+
+    cc = 90
+    rng = np.random.default_rng(0)
+    experts = weights[G].packed.shape[0]
+    for m in rows:
+        g = jnp.asarray(group_sizes(m, "uniform", rng, experts=experts))
+        for op, w in weights.items():
+            n_w, k = w.packed.shape[1], 2 * w.packed.shape[2]
+            dys = [jax.random.normal(jax.random.key(10 * m + i), (m, n_w), jnp.bfloat16) for i in range(2)]
+            pallas = jax.jit(lambda dy, w, g: grouped_matmul_input_grad(dy, w, g, compute_capability=cc))
+            ref = np.asarray(pallas(dys[0], w, g), np.float32)
+            flops = 2.0 * m * n_w * k
+            entries = [("pallas", pallas)] + [
+                (tile, jax.jit(lambda dy, w, g, tile=tile: native.input_grad(dy, w, g, compute_capability=cc,
+                                                                            tile=tile)))
+                for tile in candidates]
+            for tile, fn in entries:
+                entry = {"op": f"input_grad_{op.value}", "rows": m,
+                         "tile": tile if isinstance(tile, str) else "own choice" if tile is None
+                         else dataclasses.asdict(tile), "flops": flops}
+                try:
+                    got = np.asarray(fn(dys[0], w, g), np.float32)
+                    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                    entry["relative_error_vs_pallas"] = err
+                    if not err < 2e-2:
+                        entry["error"] = f"wrong output: relative error {err:.3g} against the Pallas kernel"
+                    else:
+                        us = time_jax(fn, [(dy, w, g) for dy in dys], runs) * 1e3
+                        entry.update(us=us, tflops=flops / (us * 1e-6) / 1e12)
+                except Exception as e:  # recorded, never hidden
+                    entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps(entry), flush=True)
+                yield entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -114,16 +172,24 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--one-group", action="store_true",
                         help="one expert holding every row (a shared expert): ONE_GROUP_CANDIDATES at --rows")
+    parser.add_argument("--input-grad", action="store_true",
+                        help=f"the input-gradient kernel at {INPUT_GRAD_EXPERTS} experts: INPUT_GRAD_CANDIDATES at --rows")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth(args.runs)
     results = {"device": jax.devices()[0].device_kind, "copy_bandwidth_bytes_per_s": bandwidth, "rows": []}
-    if args.one_group:
-        weights, candidates = kimi_weights(1), {(v, op): ONE_GROUP_CANDIDATES for v in ("decode", "prefill") for op in (G, M)}
+    if args.input_grad:
+        name = "input_grad_sweep.json"
+        entries = sweep_input_grad(kimi_weights(INPUT_GRAD_EXPERTS), args.rows, INPUT_GRAD_CANDIDATES, runs=args.runs)
     else:
-        weights, candidates = kimi_weights(), CANDIDATES
-    name = "one_group_sweep.json" if args.one_group else "native_sweep.json"
-    for entry in sweep(weights, args.rows, candidates, runs=args.runs):
+        if args.one_group:
+            weights = kimi_weights(1)
+            candidates = {(v, op): ONE_GROUP_CANDIDATES for v in ("decode", "prefill") for op in (G, M)}
+        else:
+            weights, candidates = kimi_weights(), CANDIDATES
+        name = "one_group_sweep.json" if args.one_group else "native_sweep.json"
+        entries = sweep(weights, args.rows, candidates, runs=args.runs)
+    for entry in entries:
         results["rows"].append(entry)
         (args.out / name).write_text(json.dumps(results, indent=1))
     best = {}
@@ -135,8 +201,9 @@ def main() -> None:
         t = r["tile"]
         tile = t if isinstance(t, str) else (f"{t['block_m']}x{t['block_n']}x{t['block_k']} "
                                              f"w{t['num_warps']} s{t['num_stages']}"
-                                             f" extra {t['extra_m']} tail {t['tail_m']}")
-        print(f"best {op} rows={m}: {r['us']:.1f} us, {r['tb_per_s']:.2f} TB/s, tile {tile}")
+                                             f" extra {t['extra_m']} tail {t['tail_m']} sub_k {t['sub_k']}")
+        rate = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['tb_per_s']:.2f} TB/s"
+        print(f"best {op} rows={m}: {r['us']:.1f} us, {rate}, tile {tile}")
 
 
 if __name__ == "__main__":

@@ -239,6 +239,19 @@ def kernel_gemm(op: str, cc: int, interpret: bool):
     return lambda a, b, g: kernel(a, b, g, compute_capability=cc, interpret=interpret, **extra)
 
 
+def native_gemm(op: str, cc: int):
+    """The native (Triton-language, W4A16) kernel for ``op`` on NVFP4 weights: the forward product
+    or the input gradient (NVFP4 weights are frozen: no weight gradient)."""
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415
+
+    match op:
+        case "forward":
+            return lambda a, b, g: native.run(native.Op.MATMUL, a, b, g, compute_capability=cc)
+        case "input_grad":
+            return lambda a, b, g: native.input_grad(a, b, g, compute_capability=cc)
+    raise ValueError(op)
+
+
 def torch_step(wrt_weights: bool):
     """The SwiGLU expert MLP with ``torch._grouped_mm`` (autograd: torch's own derivatives)."""
     import torch  # noqa: PLC0415
@@ -390,19 +403,23 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
     base = step_base(case, shape)
     args = (case.x, case.weights, jnp.asarray(case.sizes), case.dy)
     ref = step_reference(case, ctx)
-    row = {**base, "impl": "pallas", "reference": "dense"}
-    out = [row]
-    try:
-        fn = registered_step("pallas", case, plans)
-        result, row["compile_s"] = compile_and_run(fn, args)
-        ok = check(row, rel_errs(result, ref), ctx.max_err)
-        del result
-        if ok:
-            seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.iters, windows=ctx.windows)
-            row["ms"] = seconds * 1e3
-    except Exception as err:  # noqa: BLE001 -- recorded in the results, never hidden
-        failed(row, err)
-    say(row, f"step pallas {case.tag}")
+    out = []
+    # The native kernels (``triton``) train NVFP4 weights only; where they cannot run, their
+    # row says why.
+    for impl in ("pallas",) + (("triton",) if "triton" in plans else ()):
+        row = {**base, "impl": impl, "reference": "dense"}
+        out.append(row)
+        try:
+            fn = registered_step(impl, case, plans)
+            result, row["compile_s"] = compile_and_run(fn, args)
+            ok = check(row, rel_errs(result, ref), ctx.max_err)
+            del result
+            if ok:
+                seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.iters, windows=ctx.windows)
+                row["ms"] = seconds * 1e3
+        except Exception as err:  # noqa: BLE001 -- recorded in the results, never hidden
+            failed(row, err)
+        say(row, f"step {impl} {case.tag}")
     if ctx.have_torch:
         row = {**base, "impl": "torch", "reference": "dense"}
         out.append(row)
@@ -504,6 +521,20 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
             except Exception as err:  # noqa: BLE001
                 failed(row, err)
             say(row, f"gemm pallas {op} {projection} {case.tag}")
+            if case.fmt == "nvfp4" and not ctx.interpret:
+                row = {**base, "impl": "triton"}
+                out.append(row)
+                try:
+                    fn = cached(("native gemm", op), lambda: native_gemm(op, ctx.cc))
+                    result, row["compile_s"] = compile_and_run(fn, (a, b, g))
+                    ok = check(row, {"out": max(rel_errs({"out": result}, {"out": ref}).values())}, ctx.max_err)
+                    del result
+                    if ok:
+                        seconds, _ = expert_parallel.timed(fn, a, b, g, iters=ctx.iters, windows=ctx.windows)
+                        row["ms"] = seconds * 1e3
+                except Exception as err:  # noqa: BLE001
+                    failed(row, err)
+                say(row, f"gemm triton {op} {projection} {case.tag}")
             if ctx.have_torch and case.fmt == "bf16":
                 row = {**base, "impl": "torch"}
                 out.append(row)
@@ -629,6 +660,12 @@ def targets(data: dict) -> list[dict]:
         value = speedup(row, steps, lambda t: t["impl"] == "torch", ("weights", "grads", "routing", "rows"))
         add(f"step >= {TORCH_GOAL}x torch._grouped_mm (torch time / ours)", value, TORCH_GOAL,
             f"{row['weights']} grads {row['grads']} {row['routing']} M={row['rows']}")
+    # Frozen NVFP4 experts move fewer bytes and skip the weight gradients: their step should take
+    # no longer than the full bf16 step (issue 18's stretch target).
+    for row in (r for r in steps if r["weights"] == "nvfp4" and r["impl"] in ("pallas", "triton")):
+        value = speedup(row, steps, lambda t: t["weights"] == "bf16" and t["impl"] == "pallas", ("routing", "rows"))
+        add("frozen-NVFP4 step <= 1.0x the full bf16 step (bf16 pallas time / this)", value, 1.0,
+            f"{row['impl']} {row['routing']} M={row['rows']}")
     return out
 
 
@@ -669,9 +706,9 @@ def markdown(data: dict) -> str:
         "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | err | vs xla | torch / this | note |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
-    order = {"pallas": 0, "torch": 1, "xla": 2}
+    order = {"pallas": 0, "triton": 1, "torch": 2, "xla": 3}
     steps = sorted(data["steps"], key=lambda r: (r["weights"] != "bf16", r["routing"] != "uniform", r["rows"],
-                                                  order.get(r["impl"], 3)))
+                                                  order.get(r["impl"], 4)))
     for row in steps:
         peer = next((t for t in data["steps"] if t["impl"] == "torch" and all(
             t[f] == row[f] for f in ("weights", "grads", "routing", "rows"))), None)
@@ -912,7 +949,7 @@ def main(argv=None):
     plans = {}
     for fmt in formats:
         plans[fmt] = {}
-        for impl in ("xla", "pallas"):
+        for impl in ("xla", "pallas") + (("triton",) if fmt == "nvfp4" and not interpret else ()):
             try:
                 plans[fmt][impl] = resolve(dataclasses.replace(config, weight_format=fmt, expert_gemm=impl),
                                            [device], training=True)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import TYPE_CHECKING, assert_never
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, assert_never
 
 import jax
 import jax.numpy as jnp
@@ -158,35 +159,49 @@ def _kernel_weights(weights, plan: Plan) -> dict:
     the float masters, made inside the trace every call."""
     if not plan.config.qat:
         return weights
-    return {name: nvfp4.quantize(jax.lax.stop_gradient(w), name=name) for name, w in weights.items()}
+    return {name: nvfp4.quantize(jax.lax.stop_gradient(w), name=name) if name in _PROJECTIONS else w
+            for name, w in weights.items()}
 
 
-def _pallas_forward(x_mh, group_sizes_e, weights, plan: Plan):
-    kernel_args = _kernel_args(plan)
-    a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e,
-                                     **kernel_args)
-    return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
+class _Products(NamedTuple):
+    """The three grouped products a differentiable expert MLP is made of, for one kernel family.
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def pallas_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
-    """The Pallas kernels: fused gate/up + SwiGLU, then the down projection.
-
-    NVFP4 weights are read in ModelOpt's layout and dequantized in the kernel; the
-    ``[M, 2F]`` gate/up product never reaches memory. Rows past ``sum(group_sizes_e)`` are
-    left unwritten (unspecified), as the stage contract allows.
-
-    Differentiable (``jax.custom_vjp``). Under differentiation the forward pass runs the gate/up
-    product as the plain grouped matmul and keeps it (bf16 ``[M, 2F]``: one GEMM fewer than
-    recomputing it, as torch's autograd keeps it too), with SwiGLU in XLA; the backward pass
-    runs the two kernels a backward pass needs, the input gradient (``dy @ W_e``, NVFP4
-    dequantized in the kernel as in the forward, no dequantized copy) and the weight gradient
-    (``dy_e^T @ x_e`` per expert). Cotangents: ``x_mh`` gets its gradient (zero on padding
-    rows); bf16 weights and ``qat`` masters get theirs (the masters through the
-    straight-through estimator, see :func:`_straight_through`); NVFP4 weights stored as such are
-    frozen (zero cotangent, and no weight gradient is computed).
+    ``matmul(x_mk, w, group_sizes_e, plan)``: bf16 ``[M, N]``, ``x @ W_e^T``;
+    ``input_grad(dy_mn, w, group_sizes_e, plan)``: bf16 ``[M, K]``, ``dy @ W_e`` (``w`` with one
+    global scale per expert); ``weight_grad(x_mk, dy_mn, group_sizes_e, plan, out_dtype)``:
+    ``[E, N, K]``, ``dy_e^T x_e``.
     """
-    return _pallas_forward(x_mh, group_sizes_e, _kernel_weights(weights, plan), plan)
+
+    matmul: Callable
+    input_grad: Callable
+    weight_grad: Callable
+
+
+def _pallas_weight_grad(x_mk, dy_mn, group_sizes_e, plan: Plan, out_dtype):
+    return pallas_gmm.grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, out_dtype=out_dtype, **_kernel_args(plan))
+
+
+_PALLAS_PRODUCTS = _Products(
+    matmul=lambda x, w, g, plan: pallas_gmm.grouped_matmul(x, w, g, **_kernel_args(plan)),
+    input_grad=lambda dy, w, g, plan: pallas_gmm.grouped_matmul_input_grad(dy, w, g, **_kernel_args(plan)),
+    weight_grad=_pallas_weight_grad,
+)
+
+
+def _native():
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton, loaded on use)
+
+    return native
+
+
+# W4A16 (SM80-SM90). The weight gradient of float masters (qat) is a dense product: the Pallas
+# kernel's, the one there is.
+_TRITON_PRODUCTS = _Products(
+    matmul=lambda x, w, g, plan: _native().run(_native().Op.MATMUL, x, w, g, mode=_native().Mode.W4A16,
+                                               compute_capability=plan.target.compute_capability),
+    input_grad=lambda dy, w, g, plan: _native().input_grad(dy, w, g, compute_capability=plan.target.compute_capability),
+    weight_grad=_pallas_weight_grad,
+)
 
 
 def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
@@ -218,23 +233,31 @@ def _per_half(h_mg, half_scales_m2):
     return jnp.concatenate([gate * half_scales_m2[:, :1], up * half_scales_m2[:, 1:]], axis=-1)
 
 
-def _pallas_expert_mlp_fwd(x_mh, group_sizes_e, weights, plan: Plan):
-    kernel_args = _kernel_args(plan)
+def _differentiable_fwd(products: _Products, x_mh, group_sizes_e, weights, plan: Plan):
+    """Under differentiation the gate/up product runs as the plain grouped matmul and is kept
+    (bf16 ``[M, 2F]``: one GEMM fewer than recomputing it, as torch's autograd keeps it too),
+    with SwiGLU in XLA."""
     kernel_weights = _kernel_weights(weights, plan)
     x_mh = x_mh.astype(jnp.bfloat16)
     w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, x_mh.shape[0])
-    h_mg = pallas_gmm.grouped_matmul(x_mh, w_gate_up, group_sizes_e, **kernel_args)  # bf16, kept
+    h_mg = products.matmul(x_mh, w_gate_up, group_sizes_e, plan)  # bf16, kept
     a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
-    y_mh = pallas_gmm.grouped_matmul(a_mf, kernel_weights["w_down_ehf"], group_sizes_e, **kernel_args)
+    y_mh = products.matmul(a_mf, kernel_weights["w_down_ehf"], group_sizes_e, plan)
     # Residuals must be arrays: an empty slice carries each trainable weight's dtype and, under
     # shard_map, the mesh axes it varies over.
-    trainable = {name: None if isinstance(w, nvfp4.NVFP4Tensor) else w.reshape(-1)[:0] for name, w in weights.items()}
+    trainable = {name: None if isinstance(w, nvfp4.NVFP4Tensor) or name not in _PROJECTIONS else w.reshape(-1)[:0]
+                 for name, w in weights.items()}
     return y_mh, (x_mh, group_sizes_e, kernel_weights, trainable, h_mg)
 
 
-def _pallas_expert_mlp_bwd(plan: Plan, residuals, dy_mh):
+def _differentiable_bwd(products: _Products, plan: Plan, residuals, dy_mh):
+    """The input gradient (``dy @ W_e``, NVFP4 dequantized in the kernel as in the forward, no
+    dequantized copy) and the weight gradient (``dy_e^T @ x_e`` per expert) of both projections.
+    Cotangents: ``x_mh`` gets its gradient (zero on padding rows); bf16 weights and ``qat``
+    masters get theirs (the masters through the straight-through estimator, see
+    :func:`_straight_through`); NVFP4 weights stored as such are frozen (zero cotangent, and no
+    weight gradient is computed), as is anything else in ``weights``."""
     x_mh, group_sizes_e, kernel_weights, trainable, h_mg = residuals
-    kernel_args = _kernel_args(plan)
     dy_mh = dy_mh.astype(jnp.bfloat16)
     num_rows = x_mh.shape[0]
     w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, num_rows)
@@ -243,12 +266,10 @@ def _pallas_expert_mlp_bwd(plan: Plan, residuals, dy_mh):
     silu = gate * sig
     a_mf = (silu * up).astype(jnp.bfloat16)  # the forward's bf16 SwiGLU output, recomputed
 
-    da_mf = pallas_gmm.grouped_matmul_input_grad(dy_mh, kernel_weights["w_down_ehf"], group_sizes_e,
-                                                 **kernel_args).astype(jnp.float32)
+    da_mf = products.input_grad(dy_mh, kernel_weights["w_down_ehf"], group_sizes_e, plan).astype(jnp.float32)
     dh_mg = jnp.concatenate([da_mf * up * (sig * (1.0 + gate * (1.0 - sig))), da_mf * silu], axis=-1)
     # The input gradient reads the weight with one scale per expert: the rows carry the halves'.
-    dx_mh = pallas_gmm.grouped_matmul_input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_gate_up,
-                                                 group_sizes_e, **kernel_args)
+    dx_mh = products.input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_gate_up, group_sizes_e, plan)
     # Padding rows have no defined output, so no gradient: zero them rather than pass on
     # whatever the kernels left there.
     defined_m = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes_e, 0))
@@ -257,26 +278,53 @@ def _pallas_expert_mlp_bwd(plan: Plan, residuals, dy_mh):
     def weight_grad(name, rows_mk, dy_mn):
         if trainable[name] is None:
             return None  # Frozen NVFP4 weights: nothing to compute.
-        dw = pallas_gmm.grouped_matmul_weight_grad(rows_mk, dy_mn, group_sizes_e, out_dtype=trainable[name].dtype,
-                                                   **kernel_args)
+        dw = products.weight_grad(rows_mk, dy_mn, group_sizes_e, plan, trainable[name].dtype)
         # Under shard_map the rows vary over every mesh axis and a weight over the expert axis
         # only: its gradient is the sum of every device's rows' contributions along the others.
         summed = jax.typeof(dw).manual_axis_type.varying - jax.typeof(trainable[name]).manual_axis_type.varying
         return jax.lax.psum(dw, tuple(sorted(summed))) if summed else dw
 
-    dweights = {"w_gate_up_egh": weight_grad("w_gate_up_egh", x_mh, dh_mg.astype(jnp.bfloat16)),
-                "w_down_ehf": weight_grad("w_down_ehf", a_mf, dy_mh)}
+    dweights = {name: None for name in trainable}
+    dweights.update(w_gate_up_egh=weight_grad("w_gate_up_egh", x_mh, dh_mg.astype(jnp.bfloat16)),
+                    w_down_ehf=weight_grad("w_down_ehf", a_mf, dy_mh))
     return dx_mh, None, dweights
 
 
-pallas_expert_mlp.defvjp(_pallas_expert_mlp_fwd, _pallas_expert_mlp_bwd)
+_PROJECTIONS = ("w_gate_up_egh", "w_down_ehf")
+
+
+def _differentiable(forward, products: _Products):
+    """``forward`` (the inference path) with :func:`_differentiable_fwd` and
+    :func:`_differentiable_bwd` over ``products`` as its ``jax.custom_vjp``."""
+    f = jax.custom_vjp(forward, nondiff_argnums=(3,))
+    f.defvjp(functools.partial(_differentiable_fwd, products), functools.partial(_differentiable_bwd, products))
+    return f
+
+
+def _pallas_forward(x_mh, group_sizes_e, weights, plan: Plan):
+    """The Pallas kernels: fused gate/up + SwiGLU, then the down projection.
+
+    NVFP4 weights are read in ModelOpt's layout and dequantized in the kernel; the
+    ``[M, 2F]`` gate/up product never reaches memory. Rows past ``sum(group_sizes_e)`` are
+    left unwritten (unspecified), as the stage contract allows.
+
+    Differentiable (``jax.custom_vjp``): the backward pass runs the two kernels a backward pass
+    needs, the input gradient and the weight gradient (:func:`_differentiable_bwd`).
+    """
+    kernel_args = _kernel_args(plan)
+    weights = _kernel_weights(weights, plan)
+    a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e,
+                                     **kernel_args)
+    return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
+
+
+pallas_expert_mlp = _differentiable(_pallas_forward, _PALLAS_PRODUCTS)
 
 
 def _pallas_run(x_mh, group_sizes_e, weights, plan: Plan):
     """:func:`pallas_expert_mlp` on the projections: its kernels take bf16 activations (W4A16),
     so activation scales are not theirs to read."""
-    return pallas_expert_mlp(x_mh, group_sizes_e, {name: weights[name] for name in ("w_gate_up_egh", "w_down_ehf")},
-                             plan)
+    return pallas_expert_mlp(x_mh, group_sizes_e, {name: weights[name] for name in _PROJECTIONS}, plan)
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -296,9 +344,9 @@ def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
     return None
 
 
-def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
+def _triton_forward(x_mh, group_sizes_e, weights, plan: Plan):
     """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``, through
-    jax-triton): fused gate/up + SwiGLU, then the down projection. Inference only (no VJP).
+    jax-triton): fused gate/up + SwiGLU, then the down projection.
 
     On SM100/SM120 (W4A4) each kernel's activations are quantized to NVFP4 just before it, one
     global scale per row (:func:`moe_jax.nvfp4.quantize_rows`): the checkpoint's static
@@ -307,12 +355,15 @@ def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
     the fly (a token's rounding depends on that token alone, and never saturates). Then the FP4
     tensor cores multiply. Below SM100 (W4A16) the weights are dequantized in registers and bf16
     tensor cores multiply.
-    """
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton, loaded on use)
 
+    Differentiable on W4A16 (``jax.custom_vjp``, :func:`_differentiable_bwd`): the native
+    input-gradient kernel for ``x`` (frozen NVFP4 weights), and under ``qat`` the weight
+    gradient of the float masters.
+    """
+    native = _native()
     cc = plan.target.compute_capability
     mode = native.mode_for(cc)
-
+    weights = _kernel_weights(weights, plan)
     gate_up_scale_e, down_scale_e = _static_scales(weights)
 
     def rows(a_mk, input_scale_e):
@@ -335,7 +386,19 @@ def triton_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
                       compute_capability=cc, out_k_order=order)
     y_mh = native.run(native.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
                       compute_capability=cc, x_k_order=order)
-    return y_mh.astype(plan.config.dtype)
+    return y_mh.astype(jnp.bfloat16)
+
+
+triton_expert_mlp = _differentiable(_triton_forward, _TRITON_PRODUCTS)
+
+
+def _triton_run(x_mh, group_sizes_e, weights, plan: Plan):
+    """:func:`triton_expert_mlp`; the activation scales go in only where the kernels quantize
+    activations (W4A4), so that the differentiable (W4A16) path sees the projections alone."""
+    native = _native()
+    if native.mode_for(plan.target.compute_capability) is native.Mode.W4A16:
+        weights = {name: weights[name] for name in _PROJECTIONS}
+    return triton_expert_mlp(x_mh, group_sizes_e, weights, plan).astype(plan.config.dtype)
 
 
 def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -346,8 +409,6 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
         return f"needs an NVIDIA GPU, found {target.platform}"
     if config.weight_format != "nvfp4":
         return f"NVFP4 weights only, found weight_format={config.weight_format!r} ('pallas' runs bf16 experts)"
-    if target.training or config.qat:
-        return "inference only: the native kernels have no VJP ('pallas' is differentiable)"
     if config.dtype != "bfloat16":
         return f"activations are {config.dtype}; the kernels take bfloat16"
     for field in ("hidden_size", "expert_intermediate_size"):
@@ -358,38 +419,58 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
             return f"{package.replace('_', '-')} is not installed (pip install 'moe-jax[triton]')"
     from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
 
-    if target.compute_capability not in native.NATIVE_TILES:
-        return (f"no native tile configurations for {target.device_kind} (SM{target.compute_capability}); "
+    cc = target.compute_capability
+    if cc not in native.NATIVE_TILES:
+        return (f"no native tile configurations for {target.device_kind} (SM{cc}); "
                 f"tuned for SM{', SM'.join(map(str, sorted(native.NATIVE_TILES)))}")
+    if (target.training or config.qat) and cc not in native.INPUT_GRAD_TILES:
+        return (f"training on SM{cc}: the native backward kernels are W4A16 (SM"
+                f"{', SM'.join(map(str, sorted(native.INPUT_GRAD_TILES)))}); 'pallas' is differentiable here")
     return None
 
 
-#: Where auto puts the native kernels for NVFP4 inference, per capability, and the measurement
-#: (or its absence) that says so.
+#: Results files that decide ``auto``'s order between the native and the Pallas kernels on SM90
+#: (tests/test_auto_follows_measurements.py checks that they still say so).
+LAYER_RESULTS = "benchmarks/results/layer_h200/layer.json"
+TRAIN_STEP_RESULTS = "benchmarks/results/train_step_h200/train_step.json"
+
+#: Where ``auto`` puts the native kernels (``triton``) against the Pallas ones for NVFP4 weights,
+#: per capability, for inference (decode and prefill sizes alike) and for training, and the
+#: measurement, or its absence, that says so.
 NATIVE_VS_PALLAS = {
-    90: ("triton", "on an H200 the W4A16 Triton kernels ran the whole Kimi K2 NVFP4 layer faster than the "
-                   "Pallas kernels at 32 to 8192 tokens (benchmarks/results/layer_h200/layer.md)"),
+    90: {"inference": ("triton", "on one H200 the W4A16 Triton kernels ran the whole Kimi K2 NVFP4 layer faster than "
+                                 "the Pallas kernels at decode sizes (32 and 256 tokens) and at prefill sizes (2048 "
+                                 f"and 8192 tokens) ({LAYER_RESULTS})"),
+         "training": ("triton", "on one H200 the expert MLP's step with frozen NVFP4 weights (forward and input "
+                                "gradient) was faster with the W4A16 Triton kernels than with the Pallas kernels at "
+                                f"8192 and 32768 rows ({TRAIN_STEP_RESULTS})")},
     # Never measured: the older path until a run there says otherwise.
-    80: ("pallas", "SM80 and SM89 were never measured; the Pallas kernels are the longer-tested path"),
-    100: ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and executed in "
-                    "Triton's interpreter, not run on SM100 hardware here: check with `moe-jax selftest`)"),
-    120: ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and executed in "
-                    "Triton's interpreter, not run on SM120 hardware here: check with `moe-jax selftest`)"),
+    80: {"inference": ("pallas", "SM80 and SM89 were never measured; the Pallas kernels are the longer-tested path"),
+         "training": ("pallas", "SM80 and SM89 were never measured; the Pallas kernels are the longer-tested path")},
+    100: {"inference": ("triton", "SM100: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and "
+                                  "executed in Triton's interpreter, not run on SM100 hardware here: check with "
+                                  "`moe-jax selftest`)"),
+          "training": ("pallas", "SM100: the native W4A4 kernels have no backward kernels")},
+    120: {"inference": ("triton", "SM120: the native W4A4 kernels use the FP4 tensor cores (cross-compiled and "
+                                  "executed in Triton's interpreter, not run on SM120 hardware here: check with "
+                                  "`moe-jax selftest`)"),
+          "training": ("pallas", "SM120: the native W4A4 kernels have no backward kernels")},
 }
 
 
 def _auto_order(target: Target, config: MoEConfig):
-    if target.training:
-        return ("pallas", "xla", "triton"), ("the Pallas kernels where they can run (differentiable: their VJP runs "
-                                             "the input- and weight-gradient kernels), else the reference")
+    use = "training" if target.training or config.qat else "inference"
     if config.weight_format == "nvfp4" and target.compute_capability is not None:
         cc = target.compute_capability
         known = cc if cc in NATIVE_VS_PALLAS else (80 if cc < 90 else 90 if cc < 100 else 120)
-        first, why = NATIVE_VS_PALLAS[known]
+        first, why = NATIVE_VS_PALLAS[known][use]
         if known != cc:
             why = f"SM{cc} was never measured; as on SM{known}: {why}"
         order = ("triton", "pallas", "xla") if first == "triton" else ("pallas", "triton", "xla")
-        return order, f"NVFP4 inference: {why}"
+        return order, f"NVFP4 {use}: {why}"
+    if use == "training":
+        return ("pallas", "xla", "triton"), ("the Pallas kernels where they can run (differentiable: their VJP runs "
+                                             "the input- and weight-gradient kernels), else the reference")
     return ("pallas", "xla", "triton"), "the Pallas kernels where they can run, else the reference"
 
 
@@ -501,9 +582,10 @@ EXPERT_GEMM = Registry(
         Implementation(
             name="triton",
             summary=("Triton-language NVFP4 kernels through jax-triton: W4A4 on the FP4 tensor cores (SM100, SM120), "
-                     "W4A16 with in-register dequantization (SM80-SM90); inference only"),
+                     "W4A16 with in-register dequantization (SM80-SM90); differentiable on W4A16 (input-gradient "
+                     "kernel; qat masters' weight gradients through the Pallas kernel)"),
             cannot_run=_triton_cannot_run,
-            run=triton_expert_mlp,
+            run=_triton_run,
         ),
         Implementation(
             name="xla",

@@ -12,6 +12,7 @@ Router logits run at "highest" on both sides (TF32 could flip a near-tied expert
 """
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -81,14 +82,14 @@ def _grads(params, x, r, plan):
 
 
 def check_gradients(fmt: str, devices, rng, *, ep: int = 1, exchange: str = "auto", interpret: bool,
-                    tokens: int = 16):
-    """Pallas gradients on ``ep`` devices (a mesh when ep > 1) against xla on one device."""
+                    tokens: int = 16, implementation: str = "pallas"):
+    """``implementation``'s gradients on ``ep`` devices (a mesh when ep > 1) against xla on one device."""
     config = _config(fmt, CPU_CONFIG if interpret else CONFIG, exchange=exchange, interpret=interpret)
     params = _params(config, fmt, rng)
     x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
     r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     where = sharding.make_mesh(ep, devices=devices[:ep]) if ep > 1 else devices[:1]
-    plan = resolve(dataclasses.replace(config, expert_gemm="pallas"), where, training=True)
+    plan = resolve(dataclasses.replace(config, expert_gemm=implementation), where, training=True)
     reference = resolve(dataclasses.replace(config, expert_gemm="xla", exchange="auto", interpret=False),
                         devices[:1], training=True)
     placed = shard_params(params, plan) if ep > 1 else params
@@ -132,6 +133,17 @@ def test_gpu_kernel_gradients_match_the_reference(rng, fmt):
     assert plan.target.platform == "cuda"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_own_scales", "qat"])
+def test_gpu_native_kernel_gradients_match_the_reference(rng, fmt):
+    """The Triton-language kernels' VJP (W4A16: the native input-gradient kernel; qat masters'
+    weight gradients through the Pallas kernel). Their CPU twin is the interpreted kernel test
+    (tests/interpreter/test_w4a16_kernels.py)."""
+    pytest.importorskip("jax_triton")
+    plan = check_gradients(fmt, jax.devices(), rng, interpret=False, tokens=301, implementation="triton")
+    assert plan.expert_gemm == "triton"
+
+
 @pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.gpu(count=2)),
                                 pytest.param(4, marks=pytest.mark.gpu(count=4))])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "qat"])
@@ -143,9 +155,16 @@ def test_gpu_kernel_gradients_under_shard_map_with_every_exchange(rng, ep, excha
 
 def test_auto_picks_the_kernels_for_training_on_a_gpu_and_says_so():
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-    plan = resolve(CONFIG, AbstractMesh((1,), ("expert",), abstract_device=device), training=True)
+    mesh = AbstractMesh((1,), ("expert",), abstract_device=device)
+    plan = resolve(dataclasses.replace(CONFIG, weight_format="bf16"), mesh, training=True)
     assert plan.expert_gemm == "pallas" and plan.target.training
     assert "training" in plan.report and "differentiable" in plan.report, plan.report
+    for package in ("triton", "jax_triton"):  # (found, not imported: jax_triton imports only with a GPU jaxlib)
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    plan = resolve(dataclasses.replace(CONFIG, weight_format="nvfp4"), mesh, training=True)
+    assert plan.expert_gemm == "triton", plan.report
+    assert "NVFP4 training" in plan.report and "train_step_h200/train_step.json" in plan.report, plan.report
 
 
 def test_qat_needs_nvfp4():

@@ -43,7 +43,8 @@ def test_triton_cannot_run_on_cpu_and_says_why(cpu_devices):
 @pytest.mark.parametrize("device_kind,chosen,why", [
     ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "triton", "executed in Triton's interpreter, not run on SM"),
     ("NVIDIA B200", "triton", "executed in Triton's interpreter, not run on SM"),
-    ("NVIDIA H200", "triton", "benchmarks/results/layer_h200/layer.md"),
+    ("NVIDIA H200", "triton", "at decode sizes (32 and 256 tokens) and at prefill sizes (2048 and 8192 tokens) "
+                              "(benchmarks/results/layer_h200/layer.json)"),
     ("NVIDIA A100-SXM4-80GB", "pallas", "SM80 and SM89 were never measured"),
     ("NVIDIA L40S", "pallas", "SM89 was never measured; as on SM80"),
 ])
@@ -54,12 +55,17 @@ def test_auto_picks_per_architecture_and_cites_why(device_kind, chosen, why):
     assert why in plan.report
 
 
-def test_triton_is_inference_only_and_nvfp4_only():
+def test_triton_trains_on_w4a16_only_and_takes_nvfp4_only():
     _needs_native_installed()
     mesh = _abstract_mesh("NVIDIA RTX PRO 6000 Blackwell Workstation Edition")
     training = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4"), mesh, training=True)
     assert training.expert_gemm == "pallas"
-    assert "inference only" in training.report
+    assert "SM120: the native W4A4 kernels have no backward kernels" in training.report
+    with pytest.raises(ResolutionError, match=r"training on SM120: the native backward kernels are W4A16 \(SM80, SM89, "
+                                              r"SM90\); 'pallas' is differentiable here"):
+        resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton"), mesh, training=True)
+    h200 = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4"), _abstract_mesh("NVIDIA H200"), training=True)
+    assert h200.expert_gemm == "triton", h200.report
     with pytest.raises(ResolutionError, match="NVFP4 weights only, found weight_format='bf16'"):
         resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16", expert_gemm="triton"), mesh)
     assert resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16"), mesh).expert_gemm == "pallas"

@@ -167,9 +167,22 @@ def compile_native(capability: int, key: tuple[Variant, Op], *, experts: int = E
     return record, kernel
 
 
+def compile_input_grad(capability: int, *, n: int, k: int, rows: int, experts: int,
+                       with_sass: bool = False) -> crosscompile.CompiledKernel:
+    """Compiles the native W4A16 input-gradient kernel (``native.input_grad``) with its table's
+    tile for ``rows`` rows over ``experts`` experts, weights ``[E, n, k]``."""
+    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+
+    spec = native.make_input_grad_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability)
+    return crosscompile.compile_jit(
+        native.input_grad_kernel_function(), signature=native.input_grad_signature(spec), constexprs=spec.constexprs(),
+        capability=capability, num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
+        name="native_input_grad_w4a16", with_sass=with_sass)
+
+
 def table_keys(capability: int) -> list[Key]:
     return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
 
 
-__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_native", "native_keys",
-           "table_keys", "Op"]
+__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_input_grad", "compile_native",
+           "native_keys", "table_keys", "Op"]

@@ -90,7 +90,7 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 4), _p(64, 128, 128, 4, 3),
+    90: _tiles(_d(16, 128, 512, 4, 2, sub_k=64), _d(16, 64, 512, 4, 2, sub_k=64), _p(64, 128, 128, 4, 3),
                _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
@@ -421,7 +421,7 @@ def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr
 
 @triton.jit
 def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                       out_ptr, N: tl.constexpr, K: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                       out_in_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_T: tl.constexpr,
                        NUM_STAGES: tl.constexpr):
     """W4A16 input gradient: ``out[m, :] = dy[m, :] @ W_e`` for the rows ``m`` of expert ``e``, one
@@ -430,7 +430,8 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
 
     ``dy_ptr`` bf16 ``[M, N]``; ``w_ptr`` uint8 ``[E, N, K/2]`` read as whole 32-bit words,
     ``w_scale_ptr`` uint8 ``[E, N, K/16]`` (E4M3 bits), ``w_global_ptr`` float32 ``[E]``;
-    ``out_ptr`` bf16 ``[M, K]``, rows past an expert's end left unwritten. The weight tile is
+    ``out_ptr`` bf16 ``[M, K]``, rows past an expert's end left unwritten (``out_in_ptr`` is the
+    same buffer when the caller passed one to write into, else a placeholder: never read). The weight tile is
     dequantized as the forward kernels do (:func:`_dequantize_w4a16`), so its columns come in
     :func:`permute_k`'s order; each output column is stored where it belongs instead.
     """
@@ -683,7 +684,8 @@ def make_input_grad_spec(*, num_rows: int, num_experts: int, n: int, k: int, com
                          block_r=block_r, max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m))
 
 
-def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None) -> jax.Array:
+def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
+               out=None) -> jax.Array:
     """The gradient of :func:`run`'s ``Op.MATMUL`` with respect to ``x``: bf16 ``[M, K]``, row
     ``m`` of expert ``e`` times ``W_e`` (not transposed), W4A16 (weights dequantized in registers
     as the forward kernels do, bf16 tensor cores).
@@ -697,6 +699,8 @@ def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileCo
       group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
       compute_capability: picks the tile (:data:`INPUT_GRAD_TILES`: SM80-SM90).
       tile: overrides the table (benchmark sweeps).
+      out: optional bf16 ``[M, K]`` buffer the output is written into (aliased); rows the kernel
+        does not write keep its values.
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype or capability.
@@ -724,34 +728,39 @@ def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileCo
                                 if field == "global_scale" else ""))
     if k % K_MULTIPLE or k <= 0:
         raise ValueError(f"w.packed: K={k}, expected a positive multiple of {K_MULTIPLE}")
+    if out is not None and (tuple(out.shape) != (m, k) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, k]}")
     if m == 0:
-        return jnp.zeros((0, k), jnp.bfloat16)
+        return jnp.zeros((0, k), jnp.bfloat16) if out is None else out
     spec = make_input_grad_spec(num_rows=m, num_experts=num_experts, n=n, k=k, compute_capability=compute_capability,
                                 tile=tile)
     return launch_input_grad(spec, group_sizes_e, dy_mn, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
-                             w.global_scale)
+                             w.global_scale, out)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def launch_input_grad(spec: InputGradSpec, group_sizes_e, dy_mn, packed, scales_u8, global_scale_e):
-    """Runs the input-gradient kernel: bf16 ``[M, K]``, rows past ``sum(group_sizes_e)`` unwritten."""
+def launch_input_grad(spec: InputGradSpec, group_sizes_e, dy_mn, packed, scales_u8, global_scale_e, out=None):
+    """Runs the input-gradient kernel: bf16 ``[M, K]``, rows past ``sum(group_sizes_e)`` unwritten
+    (``out``'s, where it is given: aliased)."""
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
 
     schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
                                             num_tiles=spec.max_tiles)
-    operands = (*schedule, dy_mn, packed, scales_u8, global_scale_e)
+    aliased = out is not None
+    out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
+    operands = (*schedule, dy_mn, packed, scales_u8, global_scale_e, out_in)
     name = "native_input_grad_w4a16"
     with jax.named_scope(name):
         dx = jax_triton.triton_call(
             *operands, kernel=_input_grad_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.k), jnp.bfloat16),
             grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
-            **spec.constexprs())
+            input_output_aliases={len(operands) - 1: 0} if aliased else None, **spec.constexprs())
     return _same_varying_axes([dx], operands)[0]
 
 
 def input_grad_signature(spec: InputGradSpec) -> dict[str, str]:
     """The input-gradient kernel's argument types for ``triton.compile`` (cross-compilation)."""
-    types = ["*i32", "*i32", "*i32", "*bf16", "*u8", "*u8", "*fp32", "*bf16"]
+    types = ["*i32", "*i32", "*i32", "*bf16", "*u8", "*u8", "*fp32", "*bf16", "*bf16"]
     return {**dict(zip(_input_grad_kernel.arg_names, types, strict=False)),
             **{name: "constexpr" for name in spec.constexprs()}}
 

@@ -89,7 +89,8 @@ def input_grad(group_sizes, *, n: int, k: int, tile=None, experts=None, used=Non
     out = np.full((m, k), np.nan, ml_dtypes.bfloat16)
     buffers = _schedule_buffers(group_sizes, m, spec.tile.block_m, spec.max_tiles)
     buffers += [interpreted.buffer(dy, "dy"), interpreted.buffer(packed, "w.packed"),
-                interpreted.buffer(scales, "w.scales"), interpreted.buffer(global_scale, "w.global_scale")]
+                interpreted.buffer(scales, "w.scales"), interpreted.buffer(global_scale, "w.global_scale"),
+                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
     out_buffer = interpreted.buffer(out, "out")
     native.input_grad_kernel_function()[(spec.num_programs,)](*buffers, out_buffer, **spec.constexprs())
     assert not interpreted.VIOLATIONS, interpreted.VIOLATIONS[:5]

@@ -20,7 +20,7 @@ import ptx_emulator  # noqa: E402
 from moe_jax.nvfp4 import NVFP4Tensor  # noqa: E402
 from pallas_kernels.grouped_matmul import crosscompile  # noqa: E402
 from pallas_kernels.grouped_matmul import native  # noqa: E402
-from pallas_kernels.grouped_matmul.tuning import Op  # noqa: E402
+from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op  # noqa: E402
 
 EXPECTED = {
     120: ("sm_120a", r"mma\.sync\.aligned\.m16n8k64\.row\.col\.kind::mxf4nvf4\.block_scale\.scale_vec::4X"),
@@ -139,7 +139,7 @@ def test_bad_input_gets_one_line_naming_the_argument():
         (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
         (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
         (dict(out_k_order=96), r"^out_k_order: 96, expected 0 or a power of two >= 64 dividing the output's 64 "),
-        (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's k_chunk 128 \(k_order\(\)\)$"),
+        (dict(x_k_order=128), r"^x_k_order: 128, expected this launch's k_chunk 64 \(k_order\(\)\)$"),
         (dict(cc=120, x=rows, out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a4"),
     ]
     for change, message in cases:
@@ -148,6 +148,37 @@ def test_bad_input_gets_one_line_naming_the_argument():
             native.run(Op.MATMUL, args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
                        mode=args["mode"], out=args["out"], out_k_order=args["out_k_order"],
                        x_k_order=args["x_k_order"])
+
+
+def test_input_grad_bad_input_gets_one_line_naming_the_argument():
+    w, sizes, dy = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 64), jnp.bfloat16)
+    halves = NVFP4Tensor(packed=w.packed, scales=w.scales, global_scale=jnp.ones((4, 2), jnp.float32))
+    cases = [
+        (dict(dy=dy.astype(jnp.float32)), r"^dy_mn: float32\[10, 64\], expected bfloat16 \[M, N\]$"),
+        (dict(dy=jnp.ones((10, 96), jnp.bfloat16)), r"^dy_mn: N=96, expected a positive multiple of 64$"),
+        (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
+        (dict(w=_nvfp4(n=128)), r"^w\.packed: uint8\[4, 128, 64\], expected uint8 \[4, 64, 64\] for E=4"),
+        (dict(w=halves), r"^w\.global_scale: float32\[4, 2\], expected float32 \[4\] .*folded into dy_mn"),
+        (dict(sizes=sizes[:0]), r"^group_sizes_e: int32\[0\], expected int32 \[E\], E >= 1$"),
+        (dict(cc=120), r"^compute_capability: 120 has no W4A16 input-gradient tiles; known: \[80, 89, 90\]"),
+        (dict(out=jnp.zeros((10, 64), jnp.bfloat16)), r"^out: bfloat16\[10, 64\], expected bfloat16 \[10, 128\]$"),
+    ]
+    for change, message in cases:
+        args = dict(dy=dy, w=w, sizes=sizes, cc=90, out=None) | change
+        with pytest.raises(ValueError, match=message):
+            native.input_grad(args["dy"], args["w"], args["sizes"], compute_capability=args["cc"], out=args["out"])
+
+
+@pytest.mark.parametrize("cc", sorted(native.INPUT_GRAD_TILES))
+def test_input_grad_tiles_compile_to_the_bf16_mma_without_spills(cc):
+    """Both input-gradient tiles of each capability at Kimi K2's projections (fewer and more
+    than INPUT_GRAD_MANY_ROWS rows per expert): the bf16 MMA of the chip, within its shared
+    memory, no spills (the dequantized tile reaches the MMA through shared memory)."""
+    for n, k in ((4096, 7168), (7168, 2048)):
+        for rows in (48 * native.INPUT_GRAD_MANY_ROWS - 1, 48 * native.INPUT_GRAD_MANY_ROWS):
+            kernel = crosscompile.compile_input_grad(cc, n=n, k=k, rows=rows, experts=48)
+            assert kernel.target == EXPECTED[cc][0] and re.search(EXPECTED[cc][1], kernel.ptx), (n, k, rows)
+            assert kernel.spill_bytes == 0 and kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc], (n, k, rows)
 
 
 def test_w4a4_activation_rows_are_checked_field_by_field():

@@ -1,9 +1,9 @@
 """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``) on a GPU.
 
 W4A16 runs below SM100 (the H200 here), W4A4 on SM100/SM120; each test runs the mode of the
-GPU it finds. There is no CPU twin: triton's interpreter rejects ``dot_scaled`` and inline PTX,
-and ``jax_triton`` needs a GPU jaxlib; the CPU suite cross-compiles every tile configuration
-instead (``test_native_crosscompile.py``).
+GPU it finds; the W4A16 input-gradient kernel (``native.input_grad``) runs below SM100. Their
+CPU twins execute the same kernels in Triton's interpreter (``tests/interpreter/``), and the
+CPU suite cross-compiles every tile configuration (``test_native_crosscompile.py``).
 
 Every test compares against a float64 reference of the same NVFP4 weights (and, for W4A4, of
 the same quantized activations), writes into NaN-poisoned ``out`` buffers and checks that
@@ -210,3 +210,43 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
         return expert_reference(op, x_mk, w_nk)
 
     _check_top_experts(rng, record_property, f"native {mode.value} {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn)
+
+
+def _input_grad_capability() -> int:
+    cc = _capability()
+    if cc not in native.INPUT_GRAD_TILES:
+        pytest.skip(f"SM{cc} has no W4A16 input-gradient tiles")
+    return cc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_expert", [3, 150])  # both tiles of the table
+def test_native_input_grad_matches_float64_reference(rng, rows_per_expert):
+    """``dy @ W_e`` into a NaN-poisoned buffer: defined rows against float64, padding rows kept."""
+    cc = _input_grad_capability()
+    e, n, k = 12, 384, 512
+    sizes = rng.integers(0, 2 * rows_per_expert, e).astype(np.int32)
+    sizes[[0, 5, e - 1]] = [0, rows_per_expert, 0]
+    w = _random_nvfp4(rng, e, n, k)
+    m, defined = int(sizes.sum()) + 37, int(sizes.sum())
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    poisoned = jnp.full((m, k), jnp.nan, jnp.bfloat16)
+    call = jax.jit(functools.partial(native.input_grad, compute_capability=cc))
+    got = np.asarray(call(dy, w, jnp.asarray(sizes), out=poisoned).astype(jnp.float32), np.float64)
+    dense = reference.dequantize(np.asarray(w.packed), np.asarray(w.scales), np.asarray(w.global_scale))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    want = np.concatenate([np.asarray(dy[starts[i]:starts[i + 1]], np.float64) @ dense[i] for i in range(e)])
+    assert np.isfinite(got[:defined]).all(), f"{np.count_nonzero(~np.isfinite(got[:defined]))} elements unwritten"
+    assert np.isnan(got[defined:]).all(), "padding rows were written"
+    rel = np.linalg.norm(got[:defined] - want) / np.linalg.norm(want)
+    assert rel < TOLERANCE, f"input_grad SM{cc}: relative Frobenius error {rel:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_input_grad_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
+    """``dy @ W_e`` at 384 experts, the top expert ids (down codes past 2**31 bytes), NaN-poisoned."""
+    _input_grad_capability()
+    n, k = {"gate_up_swiglu": (2 * F, H), "down": (H, F)}[op]
+    _check_top_experts(rng, record_property, f"native input_grad {op}", native.input_grad, "nvfp4", (n, k), n, k,
+                       lambda dy_mn, w_nk: dy_mn @ w_nk)

@@ -41,19 +41,13 @@ G, M = Op.GATE_UP_SWIGLU, Op.MATMUL
 # Prefill: tiles with extra rows (``extra_m``: a second MMA against the same dequantized weights)
 # and tail paths (``tail_m``: an expert's last tile of at most that many rows runs as a narrower
 # MMA); the 4-warp ones fit two programs per SM.
-# Decode: ``sub_k`` tiles load a whole stage of each weight row (block_k / 2 bytes at a stretch)
-# but dequantize it sub_k columns at a time: 121-127 registers (three programs per SM) where
-# the whole-stage tiles need 185-200, and 2.8-2.9 static instructions per weight against 3.2
-# (fused) and 3.8 (down) (triton 3.6, sm_90a).
+# Decode candidates: the table's entries and their closest neighbours (earlier sweeps:
+# results/native_h200/native_sweep_*.json).
 CANDIDATES = {
-    ("decode", G): [decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 256, 4, 3, sub_k=64),
-                    decode_tile(16, 64, 256, 4, 4, sub_k=64), decode_tile(16, 64, 512, 4, 2, sub_k=64),
-                    decode_tile(16, 64, 512, 4, 2, sub_k=128), decode_tile(16, 64, 256, 4, 4, sub_k=128),
-                    decode_tile(16, 128, 256, 4, 2, sub_k=64)],
-    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 128, 256, 4, 3),
-                    decode_tile(16, 128, 256, 4, 3, sub_k=64), decode_tile(16, 128, 512, 4, 2, sub_k=64),
-                    decode_tile(16, 128, 256, 4, 4, sub_k=64), decode_tile(16, 128, 256, 4, 3, sub_k=128),
-                    decode_tile(16, 256, 256, 4, 2, sub_k=64)],
+    ("decode", G): [decode_tile(16, 64, 256, 4, 4), decode_tile(16, 64, 256, 4, 3), decode_tile(16, 32, 256, 4, 3),
+                    decode_tile(16, 128, 256, 8, 3)],
+    ("decode", M): [decode_tile(16, 64, 256, 4, 3), decode_tile(16, 128, 256, 4, 3), decode_tile(16, 128, 256, 4, 4),
+                    decode_tile(16, 64, 512, 4, 2)],
     ("prefill", G): [prefill_tile(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
                      prefill_tile(128, 64, 128, 8, 3, tail_m=64),
                      prefill_tile(128, 64, 64, 8, 3, extra_m=64, tail_m=64), prefill_tile(64, 64, 64, 4, 3, extra_m=64),
@@ -69,10 +63,9 @@ CANDIDATES = {
 
 # One group holding every row (Kimi K2's shared expert, intermediate 2048 like a routed one);
 # None is the tile the kernel picks by itself.
-ONE_GROUP_CANDIDATES = [None, decode_tile(32, 32, 256, 4, 3), decode_tile(32, 32, 256, 4, 3, sub_k=64),
-                        decode_tile(64, 32, 256, 4, 3, sub_k=64), decode_tile(32, 64, 256, 4, 3, sub_k=64),
-                        decode_tile(64, 64, 256, 4, 3, sub_k=64), prefill_tile(64, 32, 128, 4, 3),
-                        prefill_tile(128, 32, 128, 4, 2), decode_tile(128, 32, 256, 4, 3, sub_k=64)]
+ONE_GROUP_CANDIDATES = [None, decode_tile(32, 32, 256, 4, 3), decode_tile(64, 64, 128, 4, 3),
+                        prefill_tile(64, 32, 128, 4, 3), prefill_tile(128, 32, 128, 4, 2),
+                        prefill_tile(128, 64, 128, 8, 3)]
 
 
 # The W4A16 input gradient (``native.input_grad``, ``dy @ W_e``) at the training shape (48 local
@@ -108,21 +101,27 @@ def sweep(weights, rows, candidates, *, runs: int):
             for tile in candidates[(variant, op)]:
                 entry = {"op": op.value, "rows": m, "tile": "own choice" if tile is None else dataclasses.asdict(tile),
                          "weight_bytes": bytes_}
-                try:
-                    fn = jax.jit(lambda x, w, g, tile=tile, op=op: native.run(op, x, w, g, compute_capability=cc,
-                                                                             tile=tile))
-                    got = np.asarray(fn(xs[0], w, g), np.float32)
-                    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                    entry["relative_error_vs_pallas"] = err
-                    if not err < 2e-2:
-                        entry["error"] = f"wrong output: relative error {err:.3g} against the Pallas kernel"
-                    else:
-                        us = time_jax(fn, [(x, w, g) for x in xs], runs) * 1e3
-                        entry.update(us=us, tb_per_s=bytes_ / (us * 1e-6) / 1e12)
-                except Exception as e:  # recorded, never hidden
-                    entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(entry), flush=True)
+                fn = jax.jit(lambda x, w, g, tile=tile, op=op: native.run(op, x, w, g, compute_capability=cc, tile=tile))
+                checked_and_timed(entry, fn, [(x, w, g) for x in xs], ref, runs,
+                                  lambda us: {"tb_per_s": bytes_ / (us * 1e-6) / 1e12})
                 yield entry
+
+
+def checked_and_timed(entry: dict, fn, arg_sets, ref, runs: int, rate) -> None:
+    """Fills ``entry``: ``fn``'s relative error against ``ref`` on the first argument set, then,
+    if below 2e-2, its time (``us``) and ``rate(us)``; any failure as ``error``, never hidden."""
+    try:
+        got = np.asarray(fn(*arg_sets[0]), np.float32)
+        err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        entry["relative_error_vs_pallas"] = err
+        if not err < 2e-2:
+            entry["error"] = f"wrong output: relative error {err:.3g} against the Pallas kernel"
+        else:
+            us = time_jax(fn, arg_sets, runs) * 1e3
+            entry.update(us=us, **rate(us))
+    except Exception as e:  # recorded, never hidden
+        entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(entry), flush=True)
 
 
 def sweep_input_grad(weights, rows, candidates, *, runs: int):
@@ -150,18 +149,8 @@ def sweep_input_grad(weights, rows, candidates, *, runs: int):
                 entry = {"op": f"input_grad_{op.value}", "rows": m,
                          "tile": tile if isinstance(tile, str) else "own choice" if tile is None
                          else dataclasses.asdict(tile), "flops": flops}
-                try:
-                    got = np.asarray(fn(dys[0], w, g), np.float32)
-                    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                    entry["relative_error_vs_pallas"] = err
-                    if not err < 2e-2:
-                        entry["error"] = f"wrong output: relative error {err:.3g} against the Pallas kernel"
-                    else:
-                        us = time_jax(fn, [(dy, w, g) for dy in dys], runs) * 1e3
-                        entry.update(us=us, tflops=flops / (us * 1e-6) / 1e12)
-                except Exception as e:  # recorded, never hidden
-                    entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(entry), flush=True)
+                checked_and_timed(entry, fn, [(dy, w, g) for dy in dys], ref, runs,
+                                  lambda us: {"tflops": flops / (us * 1e-6) / 1e12})
                 yield entry
 
 
@@ -201,7 +190,7 @@ def main() -> None:
         t = r["tile"]
         tile = t if isinstance(t, str) else (f"{t['block_m']}x{t['block_n']}x{t['block_k']} "
                                              f"w{t['num_warps']} s{t['num_stages']}"
-                                             f" extra {t['extra_m']} tail {t['tail_m']} sub_k {t['sub_k']}")
+                                             f" extra {t['extra_m']} tail {t['tail_m']}")
         rate = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else f"{r['tb_per_s']:.2f} TB/s"
         print(f"best {op} rows={m}: {r['us']:.1f} us, {rate}, tile {tile}")
 

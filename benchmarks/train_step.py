@@ -508,24 +508,15 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
                     "flops": 2.0 * case.rows * n * k}
             ref, _ = compile_and_run(cached(("ref gemm", op), lambda: reference_gemm(op)), (a, b, case.layout),
                                      ctx.ref_options)
-            row = {**base, "impl": "pallas"}
-            out.append(row)
-            try:
-                fn = cached(("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))
-                result, row["compile_s"] = compile_and_run(fn, (a, b, g))
-                ok = check(row, {"out": max(rel_errs({"out": result}, {"out": ref}).values())}, ctx.max_err)
-                del result
-                if ok:
-                    seconds, _ = expert_parallel.timed(fn, a, b, g, iters=ctx.iters, windows=ctx.windows)
-                    row["ms"] = seconds * 1e3
-            except Exception as err:  # noqa: BLE001
-                failed(row, err)
-            say(row, f"gemm pallas {op} {projection} {case.tag}")
+            # The native kernels' rows (W4A16 on NVFP4 weights) beside the Pallas kernels'.
+            impls = {"pallas": (("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))}
             if case.fmt == "nvfp4" and not ctx.interpret:
-                row = {**base, "impl": "triton"}
+                impls["triton"] = (("native gemm", op), lambda: native_gemm(op, ctx.cc))
+            for impl, (key, make) in impls.items():
+                row = {**base, "impl": impl}
                 out.append(row)
                 try:
-                    fn = cached(("native gemm", op), lambda: native_gemm(op, ctx.cc))
+                    fn = cached(key, make)
                     result, row["compile_s"] = compile_and_run(fn, (a, b, g))
                     ok = check(row, {"out": max(rel_errs({"out": result}, {"out": ref}).values())}, ctx.max_err)
                     del result
@@ -534,7 +525,7 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
                         row["ms"] = seconds * 1e3
                 except Exception as err:  # noqa: BLE001
                     failed(row, err)
-                say(row, f"gemm triton {op} {projection} {case.tag}")
+                say(row, f"gemm {impl} {op} {projection} {case.tag}")
             if ctx.have_torch and case.fmt == "bf16":
                 row = {**base, "impl": "torch"}
                 out.append(row)

@@ -403,8 +403,8 @@ def _triton_run(x_mh, group_sizes_e, weights, plan: Plan):
 
 def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
     if config.interpret:
-        return ("the Triton-language kernels have no interpreter mode (triton's interpreter rejects dot_scaled and "
-                "inline PTX); MoEConfig.interpret=True runs 'pallas' or 'xla'")
+        return ("the Triton-language kernels have no interpreter mode in the layer (Triton's own interpreter runs "
+                "them in tests/interpreter only, with corrections); MoEConfig.interpret=True runs 'pallas' or 'xla'")
     if target.platform != "cuda":
         return f"needs an NVIDIA GPU, found {target.platform}"
     if config.weight_format != "nvfp4":

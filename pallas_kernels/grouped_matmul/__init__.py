@@ -252,9 +252,9 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         variant = tuning.choose_variant(num_rows=m, num_experts=num_experts, compute_capability=compute_capability)
     if config is None:
         config = tuning.TILE_TABLE[compute_capability][(variant, weights, op)]
-    elif config.tail_m or config.extra_m or config.sub_k:
-        raise ValueError(f"config: extra_m={config.extra_m}, tail_m={config.tail_m}, sub_k={config.sub_k}, expected 0 "
-                         "(features of the native Triton-language kernels, not of these Pallas ones)")
+    elif config.tail_m or config.extra_m:
+        raise ValueError(f"config: extra_m={config.extra_m}, tail_m={config.tail_m}, expected 0 (features of the "
+                         "native Triton-language kernels, not of these Pallas ones)")
     if dequant is None:
         # The PTX formulation is right only in fragment order: on an H200 it gave a relative
         # error of 1.0 for the transposed (memory-order) tile, where EXACT gave 1.7e-3

@@ -90,7 +90,7 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
     89: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 2), _p(64, 64, 64, 8, 2)),
-    90: _tiles(_d(16, 128, 512, 4, 2, sub_k=64), _d(16, 64, 512, 4, 2, sub_k=64), _p(64, 128, 128, 4, 3),
+    90: _tiles(_d(16, 64, 256, 4, 3), _d(16, 64, 256, 4, 4), _p(64, 128, 128, 4, 3),
                _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64)),
     100: _tiles(_d(16, 128, 256, 4, 4), _d(16, 64, 256, 4, 3), _p(128, 128, 128, 8, 3),
                 _p(128, 64, 128, 8, 3)),
@@ -98,16 +98,27 @@ NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
 }
 
 
-# One group of at most ONE_GROUP_ROWS rows (a shared expert at decode: every token in one expert).
-# The decode tile would read each weight tile once per 16 rows, over few programs; one 32-row
-# tile over narrower weight tiles keeps more SMs streaming. Measured on an H200 at Kimi K2's shared
-# expert, 32 rows (benchmarks/results/native_h200/shared_expert_tiles.json): gate/up 26.5 us
-# against 34.2 for the decode tile, down 13.7 against 17.0. Above 32 rows the table's tiles were
-# as fast or faster (256 and 1024 rows, same run); other capabilities were not measured.
-ONE_GROUP_ROWS = 32
-ONE_GROUP_TILES: dict[int, dict[Op, TileConfig]] = {
-    90: {Op.GATE_UP_SWIGLU: _d(32, 32, 256, 4, 3), Op.MATMUL: _d(64, 64, 128, 4, 3)},
+# One group holding every row (a shared expert: every token in one expert), per capability:
+# (at most this many rows, the tile of each op that takes them), narrowest first; an op without
+# a tile there takes the table's. The decode tile would read each weight tile once per 16 rows,
+# over few programs. Measured on an H200 at Kimi K2's shared expert: at 32 rows one 32-row tile
+# over narrower weight tiles (results/native_h200/shared_expert_tiles.json: gate/up 26.5 us
+# against 34.2 for the decode tile, down 13.7 against 17.0); at 256 rows the gate/up on
+# 64-row x 32-column tiles (one_group_sweep.json: 61.8 us against 88.4 for the prefill tile;
+# the down projection's many-rows tile was fastest there, 30.8 us); at 1024 rows the table's
+# tiles were as fast or faster.
+ONE_GROUP_TILES: dict[int, tuple[tuple[int, dict[Op, TileConfig]], ...]] = {
+    90: ((32, {Op.GATE_UP_SWIGLU: _d(32, 32, 256, 4, 3), Op.MATMUL: _d(64, 64, 128, 4, 3)}),
+         (256, {Op.GATE_UP_SWIGLU: _p(64, 32, 128, 4, 3)})),
 }
+
+
+def one_group_tile(op: Op, *, num_rows: int, compute_capability: int) -> TileConfig | None:
+    """The :data:`ONE_GROUP_TILES` tile for one group of ``num_rows`` rows, or None (the table's)."""
+    for max_rows, tiles in ONE_GROUP_TILES.get(compute_capability, ()):
+        if num_rows <= max_rows:
+            return tiles.get(op)
+    return None
 
 
 # Prefill with many rows per expert (at least MANY_ROWS_PER_EXPERT on average; Kimi K2 at 8192
@@ -122,12 +133,16 @@ MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
 
 # The W4A16 input gradient (``dy @ W_e``, :func:`input_grad`): block_m rows, block_n output
 # columns (the weight's K), block_k the reduction step (the weight's N); (fewer than, at least)
-# INPUT_GRAD_MANY_ROWS rows per expert on average. Sized like the forward's prefill tiles (the
-# dequantized tile feeds the MMA as its B operand through shared memory), not yet swept.
-INPUT_GRAD_MANY_ROWS = 64
+# INPUT_GRAD_MANY_ROWS rows per expert on average. SM90: the fastest of a sweep on an H200 at
+# 48 experts (EP 8 of Kimi K2) of both projections (benchmarks/results/native_h200/
+# input_grad_sweep.json): at 8192 rows (170 per expert) the 64-row tile (gate/up 2074 us, down
+# 922; the 128-row tile 2337 and 1043), at 32768 rows (682 per expert) the 128-row one (7354
+# and 3072 us; the 64-row tile 7485 and 3161). SM80/SM89 take SM90's shapes with mma.sync's
+# stages, not run.
+INPUT_GRAD_MANY_ROWS = 512
 INPUT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
-    80: (_p(16, 128, 64, 4, 3), _p(64, 128, 64, 4, 3)),
-    89: (_p(16, 128, 64, 4, 2), _p(64, 128, 64, 4, 2)),
+    80: (_p(64, 128, 64, 4, 3), _p(64, 128, 64, 4, 3)),
+    89: (_p(64, 128, 64, 4, 2), _p(64, 128, 64, 4, 2)),
     90: (_p(64, 128, 64, 4, 3), _p(128, 128, 64, 8, 3)),
 }
 
@@ -151,9 +166,8 @@ class NativeSpec:
     block_k: int
     block_n: int
     max_tiles: int
-    k_chunk: int  # Columns dequantized and multiplied at a time; divides block_k.
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
-    out_k_order: int = 0  # 0, or the k_chunk whose permute_k order the output's columns are written in.
+    out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
 
     @property
     def weight_rows(self) -> int:
@@ -169,7 +183,7 @@ class NativeSpec:
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
             FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
-            BLOCK_N=self.block_n, BLOCK_K=self.block_k, SUB_K=self.k_chunk,
+            BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
             OUT_K_ORDER=self.out_k_order,
         )
@@ -243,10 +257,23 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
+def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP_T: tl.constexpr):
+    """``(t, j)``: the row tile and the output column tile of this program. Programs visit
+    ``GROUP_T`` row tiles (fewer in the last group) for one column tile before the next, so that
+    the row tiles sharing a weight tile run back to back and re-read it from L2."""
+    per_group: tl.constexpr = GROUP_T * NUM_COLUMN_TILES
+    pid = tl.program_id(0)
+    first_t = (pid // per_group) * GROUP_T
+    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
+    local = pid % per_group
+    return first_t + local % rows_here, local // rows_here
+
+
+@triton.jit
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
     the module docstring).
@@ -262,14 +289,7 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     path), at most ``BLOCK_M``, or (``EXTRA_M > 0``) up to ``BLOCK_M + EXTRA_M`` as two MMAs per
     K step against the same dequantized weights (paid once for both).
     """
-    num_n_tiles: tl.constexpr = N_OUT // BLOCK_N
-    per_group: tl.constexpr = GROUP_T * num_n_tiles
-    pid = tl.program_id(0)
-    first_t = (pid // per_group) * GROUP_T
-    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
-    local = pid % per_group
-    t = first_t + local % rows_here
-    j = local // rows_here
+    t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
     row_start = tl.load(tile_start_ptr + t)
     row_end = tl.load(tile_end_ptr + t)
     if row_start < row_end:
@@ -278,15 +298,15 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
                       OUT_K_ORDER)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K,
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
                            NUM_STAGES, OUT_K_ORDER)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K,
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
                        NUM_STAGES, OUT_K_ORDER)
 
 
@@ -294,25 +314,25 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
                out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
                W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, SUB_K, NUM_STAGES, OUT_K_ORDER)
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
           K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
           W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
@@ -327,47 +347,43 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
     r = tl.arange(0, R)
     half_r = r // BLOCK_N
     w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-    # Pointer tiles span one chunk of SUB_K columns; a pipeline stage loads BLOCK_K // SUB_K of
-    # them (so each weight row is read BLOCK_K // 2 bytes at a stretch) and multiplies them in turn.
     if W4A4:
-        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, SUB_K // 2)[None, :])
+        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
     else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
         w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                + (w_row_r[:, None] * (K // 8) + tl.arange(0, SUB_K // 8)[None, :]))
+                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
     ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
-             + (w_row_r[:, None] * (K // 16) + tl.arange(0, SUB_K // 16)[None, :]))
+             + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
-    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, SUB_K, W4A4)
+    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, BLOCK_K, W4A4)
     if EXTRA_M > 0:
         local_x = BLOCK_M + tl.arange(0, EXTRA_M)
         row_ok_x = row_start + local_x < row_end
         acc2 = tl.zeros((R, EXTRA_M), tl.float32)
-        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, SUB_K, W4A4)
+        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, BLOCK_K, W4A4)
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
-        for c in tl.static_range(BLOCK_K // SUB_K):
-            k0 = i * BLOCK_K + c * SUB_K  # this chunk's first column
-            if W4A4:
-                w_rj = tl.load(w_at + k0 // 2)
-                s_rb = tl.load(ws_at + k0 // 16)
-                x_mj = tl.load(x_at + k0 // 2, mask=row_ok_m[:, None], other=0)
-                # A masked row's scales read as 0: its products vanish whatever its codes.
-                xs_mb = tl.load(xs_at + k0 // 16, mask=row_ok_m[:, None], other=0)
-                acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
-                                    xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
-                if EXTRA_M > 0:
-                    x2_mj = tl.load(x2_at + k0 // 2, mask=row_ok_x[:, None], other=0)
-                    xs2_mb = tl.load(xs2_at + k0 // 16, mask=row_ok_x[:, None], other=0)
-                    acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
-                                         xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
-            else:
-                x_mk = tl.load(x_at + k0, mask=row_ok_m[:, None], other=0.0)
-                w_rw = tl.load(w_at + k0 // 8)
-                s_rb = tl.load(ws_at + k0 // 16)
-                w_rk = _dequantize_w4a16(w_rw, s_rb, R, SUB_K)
-                acc = tl.dot(w_rk, tl.trans(x_mk), acc)
-                if EXTRA_M > 0:
-                    x2_mk = tl.load(x2_at + k0, mask=row_ok_x[:, None], other=0.0)
-                    acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
+        if W4A4:
+            w_rj = tl.load(w_at + i * (BLOCK_K // 2))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            x_mj = tl.load(x_at + i * (BLOCK_K // 2), mask=row_ok_m[:, None], other=0)
+            # A masked row's scales read as 0: its products vanish whatever its codes.
+            xs_mb = tl.load(xs_at + i * (BLOCK_K // 16), mask=row_ok_m[:, None], other=0)
+            acc = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x_mj),
+                                xs_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+            if EXTRA_M > 0:
+                x2_mj = tl.load(x2_at + i * (BLOCK_K // 2), mask=row_ok_x[:, None], other=0)
+                xs2_mb = tl.load(xs2_at + i * (BLOCK_K // 16), mask=row_ok_x[:, None], other=0)
+                acc2 = tl.dot_scaled(w_rj, s_rb.to(tl.float8e4nv, bitcast=True), "e2m1", tl.trans(x2_mj),
+                                     xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
+        else:
+            x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
+            w_rw = tl.load(w_at + i * (BLOCK_K // 8))
+            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+            w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
+            acc = tl.dot(w_rk, tl.trans(x_mk), acc)
+            if EXTRA_M > 0:
+                x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
+                acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
     _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
               FUSED, W4A4, BLOCK_M, BLOCK_N, OUT_K_ORDER)
     if EXTRA_M > 0:
@@ -435,14 +451,7 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
     dequantized as the forward kernels do (:func:`_dequantize_w4a16`), so its columns come in
     :func:`permute_k`'s order; each output column is stored where it belongs instead.
     """
-    num_o_tiles: tl.constexpr = K // BLOCK_O
-    per_group: tl.constexpr = GROUP_T * num_o_tiles
-    pid = tl.program_id(0)
-    first_t = (pid // per_group) * GROUP_T
-    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
-    local = pid % per_group
-    t = first_t + local % rows_here
-    j = local // rows_here
+    t, j = _program_tile(NUM_TILES, K // BLOCK_O, GROUP_T)
     row_start = tl.load(tile_start_ptr + t)
     row_end = tl.load(tile_end_ptr + t)
     if row_start < row_end:
@@ -477,12 +486,12 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
               compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
-    (:data:`ONE_GROUP_TILES` for one group of at most :data:`ONE_GROUP_ROWS` rows,
-    :data:`MANY_ROWS_TILES` from :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
+    (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
+    :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
     check_capability(compute_capability)
-    if tile is None and num_experts == 1 and num_rows <= ONE_GROUP_ROWS and compute_capability in ONE_GROUP_TILES:
-        tile = ONE_GROUP_TILES[compute_capability][op]
-    elif (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
+    if tile is None and num_experts == 1:
+        tile = one_group_tile(op, num_rows=num_rows, compute_capability=compute_capability)
+    if (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
           and op in MANY_ROWS_TILES.get(compute_capability, {})):
         tile = MANY_ROWS_TILES[compute_capability][op]
     elif tile is None:
@@ -499,7 +508,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
                          "operand broke triton 3.6's tensor-memory pass there)")
     return NativeSpec(
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
-        block_k=block_k, k_chunk=min(tile.k_chunk, block_k), block_n=tuning.fit_block(tile.block_n, n_out, 16),
+        block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
         max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
         out_k_order=out_k_order,
     )
@@ -584,11 +593,11 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
       tile: overrides the tile table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
         kernel does not write keep its values.
-      out_k_order: W4A16 only; 0, or the chunk width (:func:`k_order`) of a W4A16 kernel that reads
-        this output next: the columns are written in its :func:`permute_k` order, so that it
-        takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
+      out_k_order: W4A16 only; 0, or the ``block_k`` of a W4A16 kernel that reads this output
+        next (:func:`k_order`): the columns are written in its :func:`permute_k` order, so that
+        it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
       x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
-        chunks of ``x_k_order`` columns, which must be this launch's (:func:`k_order`).
+        ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype, capability or mode.
@@ -620,15 +629,15 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
                          f"output's {n_out} columns")
     spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
                      compute_capability=compute_capability, tile=tile, out_k_order=out_k_order)
-    if x_k_order and x_k_order != spec.k_chunk:
-        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's k_chunk {spec.k_chunk} (k_order())")
+    if x_k_order and x_k_order != spec.block_k:
+        raise ValueError(f"x_k_order: {x_k_order}, expected this launch's block_k {spec.block_k} (k_order())")
     match mode:
         case Mode.W4A4:
             rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
         case Mode.W4A16:
             # x's columns in the dequantized tiles' order; the one-element placeholders (unread
             # by W4A16) keep a single kernel signature.
-            x_perm = x if x_k_order else permute_k(x, spec.k_chunk)
+            x_perm = x if x_k_order else permute_k(x, spec.block_k)
             rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
@@ -638,10 +647,10 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
             tile: TileConfig | None = None) -> int:
-    """The chunk width whose :func:`permute_k` column order a W4A16 launch of these shapes reads
+    """The ``block_k`` whose :func:`permute_k` column order a W4A16 launch of these shapes reads
     ``x`` in (for ``out_k_order`` of the kernel that writes ``x``)."""
     return make_spec(op, Mode.W4A16, num_rows=num_rows, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
-                     compute_capability=compute_capability, tile=tile).k_chunk
+                     compute_capability=compute_capability, tile=tile).block_k
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -675,9 +684,8 @@ def make_input_grad_spec(*, num_rows: int, num_experts: int, n: int, k: int, com
     if tile is None:
         few, many = INPUT_GRAD_TILES[compute_capability]
         tile = many if num_rows >= INPUT_GRAD_MANY_ROWS * num_experts else few
-    if tile.extra_m or tile.tail_m or tile.sub_k:
-        raise ValueError(f"tile: extra_m={tile.extra_m}, tail_m={tile.tail_m}, sub_k={tile.sub_k}, expected 0 "
-                         "(forward-kernel features)")
+    if tile.extra_m or tile.tail_m:
+        raise ValueError(f"tile: extra_m={tile.extra_m}, tail_m={tile.tail_m}, expected 0 (forward-kernel features)")
     block_r = tuning.fit_block(tile.block_k, n, K_MULTIPLE)
     tile = dataclasses.replace(tile, num_stages=max(1, min(tile.num_stages, n // block_r)))
     return InputGradSpec(tile=tile, num_rows=num_rows, n=n, k=k, block_o=tuning.fit_block(tile.block_n, k, K_MULTIPLE),
@@ -830,4 +838,4 @@ def signature(spec: NativeSpec) -> dict[str, str]:
 
 __all__ = ["INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
            "InputGradSpec", "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec",
-           "mode_for", "run"]
+           "mode_for", "one_group_tile", "run"]

@@ -58,10 +58,6 @@ class TileConfig:
       tail_m: native kernels only (0 elsewhere): a tile holding at most ``tail_m`` rows (an
         expert's last) runs as a ``tail_m``-row tile, so its MMAs do not multiply the padding
         rows of a wider one. 0: no such path.
-      sub_k: native kernels only (0 elsewhere): each pipeline stage still loads ``block_k`` of
-        every weight row (longer contiguous runs per row for DRAM), but dequantizes and
-        multiplies it ``sub_k`` columns at a time, so only a ``sub_k``-wide dequantized tile is
-        held in registers. 0: ``block_k`` (one chunk).
     """
 
     block_m: int
@@ -72,7 +68,6 @@ class TileConfig:
     group_t: int
     extra_m: int = 0
     tail_m: int = 0
-    sub_k: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -89,14 +84,6 @@ class TileConfig:
         if self.tail_m and (self.tail_m & (self.tail_m - 1) or not 16 <= self.tail_m < self.block_m):
             raise ValueError(f"TileConfig.tail_m: {self.tail_m}, expected 0 or a power of two in "
                              f"[16, block_m={self.block_m})")
-        if self.sub_k and (self.sub_k & (self.sub_k - 1) or not 64 <= self.sub_k <= self.block_k):
-            raise ValueError(f"TileConfig.sub_k: {self.sub_k}, expected 0 or a power of two in "
-                             f"[64, block_k={self.block_k}]")
-
-    @property
-    def k_chunk(self) -> int:
-        """Columns dequantized and multiplied at a time (``sub_k``, or ``block_k``)."""
-        return self.sub_k or self.block_k
 
     @property
     def rows_per_tile(self) -> int:
@@ -139,14 +126,13 @@ def _row(decode_bf16, decode_nvfp4, prefill_bf16, prefill_nvfp4, *, decode_bf16_
 _ALL_ROWS = 1 << 20
 
 
-def decode_tile(m, n, k, warps, stages, *, sub_k=0) -> TileConfig:
-    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=_ALL_ROWS,
-                      sub_k=sub_k)
+def decode_tile(m, n, k, warps, stages) -> TileConfig:
+    return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=_ALL_ROWS)
 
 
-def prefill_tile(m, n, k, warps, stages, group_t=8, *, extra_m=0, tail_m=0, sub_k=0) -> TileConfig:
+def prefill_tile(m, n, k, warps, stages, group_t=8, *, extra_m=0, tail_m=0) -> TileConfig:
     return TileConfig(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, group_t=group_t,
-                      extra_m=extra_m, tail_m=tail_m, sub_k=sub_k)
+                      extra_m=extra_m, tail_m=tail_m)
 
 
 # The SM90 row was picked from sweeps on an H200 (benchmarks/results/grouped_gemm_sweep_call*.json,

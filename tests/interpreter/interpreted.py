@@ -85,6 +85,17 @@ def buffer(array: np.ndarray, name: str) -> Buffer:
     return Buffer(array, kinds[array.dtype], name)
 
 
+def schedule_buffers(group_sizes, num_rows: int, block_m: int, num_tiles: int) -> list[Buffer]:
+    """The kernels' first three arguments: the real tile schedule (``tile_schedule``) as buffers."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import triton as pallas_backend  # noqa: PLC0415
+
+    schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=num_rows, block_m=block_m,
+                                            num_tiles=num_tiles)
+    return [buffer(np.asarray(a, np.int32), name)
+            for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]
+
+
 def reset() -> None:
     VIOLATIONS.clear()
     _BUFFERS.clear()

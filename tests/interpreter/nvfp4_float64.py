@@ -41,6 +41,15 @@ def random_weights(rng, experts: int, n_w: int, k: int, scale_groups: int, used=
     return packed, scales, global_scale
 
 
+def random_problem(rng, op: Op, group_sizes, *, k: int, n_out: int, scale_groups: int = 1, experts=None,
+                   used=None):
+    """``(group_sizes, packed, scales, global_scale)``: ``op``'s random weights over
+    ``experts`` (default: one per group size), ``[E, 2 n_out, k]`` for the fused gate/up."""
+    group_sizes = np.asarray(group_sizes)
+    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+    return group_sizes, *random_weights(rng, experts or len(group_sizes), n_w, k, scale_groups, used)
+
+
 def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.ndarray:
     """float64 ``[sum(group_sizes), n_out]``."""
     rows = []

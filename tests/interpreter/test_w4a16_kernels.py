@@ -5,9 +5,9 @@ The E2M1 placement is inline PTX, which the interpreter evaluates through ``ptx_
 (``interpreted.install``); everything else is the kernel as the GPU gets it: ``native.make_spec``'s
 tile (or the one under test), the real tile schedule, ``x``'s columns in ``permute_k``'s order,
 NaN-poisoned outputs whose padding rows must stay NaN, every load and store bounds-checked.
-Both the forward kernels (plain and fused gate/up + SwiGLU; tiles that dequantize a stage in
-``sub_k`` chunks) and the input-gradient kernel (``dy @ W_e``) are compared with float64
-references written from the NVFP4 definition (``nvfp4_float64``).
+Both the forward kernels (plain and fused gate/up + SwiGLU) and the input-gradient kernel
+(``dy @ W_e``) are compared with float64 references written from the NVFP4 definition
+(``nvfp4_float64``).
 
 Run by ``./run test`` in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``).
 """
@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 
 import interpreted
-from nvfp4_float64 import dequantized, random_weights, reference
+from nvfp4_float64 import dequantized, random_problem, random_weights, reference
 from pallas_kernels.grouped_matmul import native
-from pallas_kernels.grouped_matmul import triton as pallas_backend
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, decode_tile, prefill_tile
 
 TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
@@ -33,21 +32,13 @@ def _bf16(rng, shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
 
 
-def _schedule_buffers(group_sizes, m: int, block_m: int, num_tiles: int):
-    schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m, block_m=block_m,
-                                            num_tiles=num_tiles)
-    return [interpreted.buffer(np.asarray(a, np.int32), name)
-            for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]
-
-
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None, scale_groups: int = 1,
             out_k_order: int = 0, experts=None, used=None, seed: int = 0, padding: int = 3) -> float:
     """Runs the forward kernel on random bf16 rows; asserts and returns its relative error."""
     rng = np.random.default_rng(seed)
-    group_sizes = np.asarray(group_sizes)
-    experts = experts or len(group_sizes)
-    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
-    packed, scales, global_scale = random_weights(rng, experts, n_w, k, scale_groups, used)
+    group_sizes, packed, scales, global_scale = random_problem(rng, op, group_sizes, k=k, n_out=n_out,
+                                                               scale_groups=scale_groups, experts=experts, used=used)
+    experts = len(packed)
     total = int(group_sizes.sum())
     m = total + padding
     x = _bf16(rng, (m, k))
@@ -55,10 +46,11 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
         tile = native.NATIVE_TILES[CC][(variant, op)]
     spec = native.make_spec(op, native.Mode.W4A16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                             scale_groups=scale_groups, compute_capability=CC, tile=tile, out_k_order=out_k_order)
+    x_perm = np.asarray(native.permute_k(jnp.asarray(x), spec.block_k))
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
-    buffers = _schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
-    buffers += [interpreted.buffer(np.asarray(native.permute_k(jnp.asarray(x), spec.k_chunk)), "x (permute_k)"),
+    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
+    buffers += [interpreted.buffer(x_perm, "x (permute_k)"),
                 interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
                 interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
@@ -87,7 +79,7 @@ def input_grad(group_sizes, *, n: int, k: int, tile=None, experts=None, used=Non
     spec = native.make_input_grad_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC, tile=tile)
     interpreted.reset()
     out = np.full((m, k), np.nan, ml_dtypes.bfloat16)
-    buffers = _schedule_buffers(group_sizes, m, spec.tile.block_m, spec.max_tiles)
+    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.block_m, spec.max_tiles)
     buffers += [interpreted.buffer(dy, "dy"), interpreted.buffer(packed, "w.packed"),
                 interpreted.buffer(scales, "w.scales"), interpreted.buffer(global_scale, "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
@@ -124,35 +116,33 @@ def test_environment():
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 @pytest.mark.parametrize("variant", [Variant.DECODE, Variant.PREFILL], ids=lambda v: v.value)
 def test_every_sm90_tile_of_the_table(op, variant):
-    """The table's tiles as they run on an H200 (sub_k chunks, extra rows, tails)."""
+    """The table's tiles as they run on an H200 (decode; prefill with extra rows and tails)."""
     forward(op, [70, 0, 130, 9], k=1024, n_out=128, variant=variant)
 
 
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=str)
 def test_group_size_patterns(op, pattern):
-    forward(op, PATTERNS[pattern], k=512, n_out=64, tile=decode_tile(16, 32, 256, 4, 2, sub_k=64),
-            seed=hash(pattern) % 1000)
+    forward(op, PATTERNS[pattern], k=512, n_out=64, tile=decode_tile(16, 32, 256, 4, 2), seed=hash(pattern) % 1000)
 
 
-@pytest.mark.parametrize("sub_k", [64, 128])
-def test_a_stage_dequantized_in_chunks(sub_k):
-    """``sub_k`` chunks of a 512-column stage: x permuted per chunk, pointers advanced per chunk
-    and per stage (K = 2048: 4 stages of 512/sub_k chunks each)."""
-    forward(Op.MATMUL, [9, 0, 21], k=2048, n_out=64, tile=decode_tile(16, 32, 512, 4, 2, sub_k=sub_k), seed=sub_k)
+@pytest.mark.parametrize("block_k", [64, 128, 512])
+def test_each_stage_width_and_its_column_order(block_k):
+    """Stages of 64 to 512 columns over K = 2048: ``x`` permuted per stage, pointers advanced per
+    stage (``permute_k``'s digits change with the stage's width)."""
+    forward(Op.MATMUL, [9, 0, 21], k=2048, n_out=64, tile=decode_tile(16, 32, block_k, 4, 2), seed=block_k)
 
 
 @pytest.mark.parametrize("order", [64, 128])
-def test_fused_output_in_the_down_kernels_chunk_order(order):
-    """``out_k_order`` = the reading kernel's chunk (``k_order``): each column lands where
-    ``permute_k`` for that chunk puts it."""
-    forward(Op.GATE_UP_SWIGLU, [16, 40, 0, 7], k=512, n_out=256, tile=decode_tile(16, 32, 256, 4, 2, sub_k=64),
+def test_fused_output_in_the_next_kernels_column_order(order):
+    """``out_k_order`` = the reading kernel's ``block_k`` (``k_order``): each column lands where
+    ``permute_k`` for that width puts it, from tiles of 32 columns."""
+    forward(Op.GATE_UP_SWIGLU, [16, 40, 0, 7], k=512, n_out=256, tile=decode_tile(16, 32, 256, 4, 2),
             out_k_order=order, seed=order)
 
 
 def test_gate_and_up_with_their_own_global_scales():
-    forward(Op.GATE_UP_SWIGLU, [11, 0, 25, 4], k=512, n_out=64, scale_groups=2,
-            tile=decode_tile(16, 32, 256, 4, 2, sub_k=128))
+    forward(Op.GATE_UP_SWIGLU, [11, 0, 25, 4], k=512, n_out=64, scale_groups=2, tile=decode_tile(16, 32, 256, 4, 2))
 
 
 def test_kimi_k2_down_at_its_highest_experts():
@@ -161,7 +151,7 @@ def test_kimi_k2_down_at_its_highest_experts():
     offsets do not depend on it)."""
     sizes = np.zeros(384, np.int64)
     sizes[[0, 292, 293, 383]] = [2, 1, 3, 2]
-    forward(Op.MATMUL, sizes, k=2048, n_out=7168, tile=decode_tile(16, 1024, 1024, 4, 2, sub_k=256), experts=384,
+    forward(Op.MATMUL, sizes, k=2048, n_out=7168, tile=decode_tile(16, 1024, 256, 4, 2), experts=384,
             used=(0, 292, 293, 383), padding=1)
 
 
@@ -173,7 +163,7 @@ def test_input_gradient_group_size_patterns(pattern):
 @pytest.mark.parametrize("many", [False, True], ids=["few rows", "many rows"])
 def test_input_gradient_with_the_table_tiles(many):
     """Both SM90 table tiles (chosen by rows per expert), several reduction steps and output tiles."""
-    sizes = [150, 0, 130, 90] if many else [3, 0, 1, 5]
+    sizes = [700, 0, 650, 800] if many else [3, 0, 1, 5]
     spec = native.make_input_grad_spec(num_rows=sum(sizes) + 3, num_experts=4, n=256, k=256, compute_capability=CC)
     assert spec.tile == native.INPUT_GRAD_TILES[CC][many]
     input_grad(sizes, n=256, k=256)

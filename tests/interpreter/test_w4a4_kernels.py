@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 
 import interpreted
-from nvfp4_float64 import dequantized, random_weights, reference
+from nvfp4_float64 import dequantized, random_problem, reference
 from moe_jax import nvfp4
 from pallas_kernels.grouped_matmul import native
-from pallas_kernels.grouped_matmul import triton as pallas_backend
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, prefill_tile
 
 TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
@@ -49,12 +48,9 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     x_packed, x_scales, x_global = (np.asarray(a) for a in nvfp4.quantize_rows(jnp.asarray(x_mk), global_m))
     if input_scale_e is not None:
         np.testing.assert_array_equal(x_global, global_m)
-    schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=m,
-                                            block_m=spec.tile.rows_per_tile, num_tiles=spec.max_tiles)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
-    buffers = [interpreted.buffer(np.asarray(a, np.int32), name)
-               for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]
+    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
     buffers += [interpreted.buffer(x_packed, "x.packed"), interpreted.buffer(x_scales.view(np.uint8), "x.scales"),
                 interpreted.buffer(x_global.astype(np.float32), "x.global_scale"),
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
@@ -70,10 +66,8 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
 def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, tile=None, experts=None, used=None,
           seed=0, padding=3, input_scale_e=None, out_k_order=0):
     rng = np.random.default_rng(seed)
-    group_sizes = np.asarray(group_sizes)
-    experts = experts or len(group_sizes)
-    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
-    packed, scales, global_scale = random_weights(rng, experts, n_w, k, scale_groups, used)
+    group_sizes, packed, scales, global_scale = random_problem(rng, op, group_sizes, k=k, n_out=n_out,
+                                                               scale_groups=scale_groups, experts=experts, used=used)
     total = int(group_sizes.sum())
     x = rng.standard_normal((total + padding, k)).astype(np.float32)
     got, a_mk, spec = run_interpreted(op, x, packed, scales, global_scale, group_sizes, cc=cc, variant=variant,

@@ -47,9 +47,10 @@ def test_every_native_tile_compiles_to_the_native_instruction(cc, key):
 
 
 @pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
-def test_one_small_group_gets_the_one_group_tile_which_compiles_to_wgmma(op):
-    """A Kimi K2 shared expert at decode (one group, 32 rows) on SM90 takes ``ONE_GROUP_TILES``;
-    more rows, more groups or an unmeasured capability keep the table's tile."""
+def test_one_group_gets_the_one_group_tiles_which_compile_to_wgmma(op):
+    """A Kimi K2 shared expert (one group) on SM90 takes ``ONE_GROUP_TILES``' tile for its row
+    count where the op has one there (each range up to its last row), else what it would take
+    without them; so do more groups and unmeasured capabilities."""
     from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
 
@@ -60,19 +61,32 @@ def test_one_small_group_gets_the_one_group_tile_which_compiles_to_wgmma(op):
         return native.make_spec(op, native.Mode.W4A16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
                                 scale_groups=1, compute_capability=cc)
 
-    def blocks(tile):
-        return tile.block_m, tile.block_n, tile.block_k, tile.num_warps
-
-    one = spec(32, 1, 90)
-    assert blocks(one.tile) == blocks(native.ONE_GROUP_TILES[90][op])
-    for rows, experts, cc in ((33, 1, 90), (32, 2, 90), (32, 1, 80)):
+    def without_one_group_tiles(rows, experts, cc):
+        if rows >= native.MANY_ROWS_PER_EXPERT * experts and op in native.MANY_ROWS_TILES.get(cc, {}):
+            return native.MANY_ROWS_TILES[cc][op]
         variant = tuning.choose_variant(num_rows=rows, num_experts=experts, compute_capability=cc)
-        assert blocks(spec(rows, experts, cc).tile) == blocks(native.NATIVE_TILES[cc][(variant, op)])
-    kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(one),
-                                  constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
-                                  num_stages=one.tile.num_stages, name=f"native_one_group_{op.value}")
-    assert re.search(EXPECTED[90][1], kernel.ptx)
-    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
+        return native.NATIVE_TILES[cc][(variant, op)]
+
+    def blocks(tile):
+        return tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.extra_m, tile.tail_m
+
+    low = 1
+    for max_rows, tiles in native.ONE_GROUP_TILES[90]:
+        for rows in (low, max_rows):
+            expected = tiles.get(op) or without_one_group_tiles(rows, 1, 90)
+            assert blocks(spec(rows, 1, 90).tile) == blocks(expected), (rows, op)
+        low = max_rows + 1
+    for rows, experts, cc in ((low, 1, 90), (32, 2, 90), (32, 1, 80), (256, 1, 80)):
+        assert blocks(spec(rows, experts, cc).tile) == blocks(without_one_group_tiles(rows, experts, cc))
+    for max_rows, tiles in native.ONE_GROUP_TILES[90]:
+        if op not in tiles:
+            continue
+        one = spec(max_rows, 1, 90)
+        kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(one),
+                                      constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
+                                      num_stages=one.tile.num_stages, name=f"native_one_group_{op.value}")
+        assert re.search(EXPECTED[90][1], kernel.ptx)
+        assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
 
 
 @pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
@@ -139,7 +153,7 @@ def test_bad_input_gets_one_line_naming_the_argument():
         (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
         (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
         (dict(out_k_order=96), r"^out_k_order: 96, expected 0 or a power of two >= 64 dividing the output's 64 "),
-        (dict(x_k_order=128), r"^x_k_order: 128, expected this launch's k_chunk 64 \(k_order\(\)\)$"),
+        (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's block_k 128 \(k_order\(\)\)$"),
         (dict(cc=120, x=rows, out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a4"),
     ]
     for change, message in cases:

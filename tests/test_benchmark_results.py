@@ -7,6 +7,7 @@ A results page edited by hand, or a script changed so that it would no longer pr
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,41 @@ def test_ncu_durations_follow_the_exports_unit(tmp_path):
                                   ",".join(["0", "k", value, *["1"] * rest])]) + "\n")
         table = summary.kernels_section(str(raw))
         assert table[2] == f"| duration (us) | {expected} |", (unit, table[2])
+
+
+def test_layer_page_and_the_readme_layer_table_come_from_the_results():
+    """``layer_h200/layer.md`` is what ``benchmarks/layer.py`` renders from its JSON, and the
+    README's whole-layer table has that page's rows (its columns in the README's order)."""
+    bench = _load("layer")
+    data = json.loads((RESULTS / "layer_h200" / "layer.json").read_text())
+    page = bench.markdown(data)
+    assert page == (RESULTS / "layer_h200" / "layer.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**Whole layer, one GPU**"):readme.index("**Training step**")]
+    assert f"at\n{data['meta']['commit']};" in section or f"at {data['meta']['commit']};" in section
+    assert f"{data['meta']['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s" in section
+    page_rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+                 for line in page.splitlines() if re.match(r"^\| \d+ \|", line)}
+    readme_rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+                   if re.match(r"^\| \d+ \|", line)]
+    assert [row[0] for row in readme_rows] == list(page_rows)
+    for row in readme_rows:
+        assert row == page_rows[row[0]], row  # same columns in the same order as the page
+
+
+def test_readme_training_table_comes_from_the_results():
+    data = json.loads((RESULTS / "train_step_h200" / "train_step.json").read_text())
+    ms = {(s["weights"], s["rows"], s["impl"]): s["ms"] for s in data["steps"] if "ms" in s}
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**Training step**"):readme.index("## When to use which implementation")]
+    assert f"at\n{data['meta']['commit']};" in section or f"at {data['meta']['commit']};" in section
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+            if line.startswith("| bf16 |") or line.startswith("| NVFP4 frozen")]
+    assert len(rows) == 4
+    for weights, m, pallas, triton, torch, ratio in rows:
+        fmt, m = ("bf16" if weights == "bf16" else "nvfp4"), int(m)
+        assert pallas == f"{ms[(fmt, m, 'pallas')]:.3f}"
+        assert triton == (f"{ms[(fmt, m, 'triton')]:.3f}" if (fmt, m, "triton") in ms else "-")
+        assert torch == f"{ms[(fmt, m, 'torch')]:.3f}"
+        best = min(ms[(fmt, m, impl)] for impl in ("pallas", "triton") if (fmt, m, impl) in ms)
+        assert ratio == f"{ms[(fmt, m, 'torch')] / best:.2f}"

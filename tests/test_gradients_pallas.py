@@ -12,13 +12,13 @@ Router logits run at "highest" on both sides (TF32 could flip a near-tied expert
 """
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
+from test_layer_triton import _needs_native_installed
 
 import sharding
 from moe_jax import MoEConfig, init_params, moe_forward, nvfp4, quantize_params, resolve, shard_params
@@ -139,7 +139,6 @@ def test_gpu_native_kernel_gradients_match_the_reference(rng, fmt):
     """The Triton-language kernels' VJP (W4A16: the native input-gradient kernel; qat masters'
     weight gradients through the Pallas kernel). Their CPU twin is the interpreted kernel test
     (tests/interpreter/test_w4a16_kernels.py)."""
-    pytest.importorskip("jax_triton")
     plan = check_gradients(fmt, jax.devices(), rng, interpret=False, tokens=301, implementation="triton")
     assert plan.expert_gemm == "triton"
 
@@ -159,9 +158,7 @@ def test_auto_picks_the_kernels_for_training_on_a_gpu_and_says_so():
     plan = resolve(dataclasses.replace(CONFIG, weight_format="bf16"), mesh, training=True)
     assert plan.expert_gemm == "pallas" and plan.target.training
     assert "training" in plan.report and "differentiable" in plan.report, plan.report
-    for package in ("triton", "jax_triton"):  # (found, not imported: jax_triton imports only with a GPU jaxlib)
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{package} is not installed")
+    _needs_native_installed()
     plan = resolve(dataclasses.replace(CONFIG, weight_format="nvfp4"), mesh, training=True)
     assert plan.expert_gemm == "triton", plan.report
     assert "NVFP4 training" in plan.report and "train_step_h200/train_step.json" in plan.report, plan.report

@@ -96,6 +96,15 @@ def schedule_buffers(group_sizes, num_rows: int, block_m: int, num_tiles: int) -
             for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]
 
 
+def launch(kernel, num_programs: int, buffers: list[Buffer], out: np.ndarray, constexprs: dict) -> np.ndarray:
+    """Runs ``kernel`` over ``num_programs`` programs on ``buffers`` and ``out`` (its last
+    argument, registered here); asserts that no access left its buffer; ``out`` as float64."""
+    out_buffer = buffer(out, "out")
+    kernel[(num_programs,)](*buffers, out_buffer, **constexprs)
+    assert not VIOLATIONS, VIOLATIONS[:5]
+    return out_buffer.array.astype(np.float64)
+
+
 def reset() -> None:
     VIOLATIONS.clear()
     _BUFFERS.clear()

@@ -9,6 +9,7 @@ import numpy as np
 from pallas_kernels.grouped_matmul.tuning import Op
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
 
 
 def e2m1(packed_u8: np.ndarray) -> np.ndarray:
@@ -67,3 +68,13 @@ def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.nda
         rows.append(y)
         start += size
     return np.concatenate(rows)
+
+
+def compare(got, want, total: int, tile) -> float:
+    """Asserts that a kernel's NaN-poisoned output ``got`` wrote its ``total`` defined rows, kept
+    the padding rows' poison, and is within :data:`TOLERANCE` of ``want``; returns the error."""
+    assert np.isnan(got[total:]).all(), "padding rows were written"
+    assert np.isfinite(got[:total]).all(), f"{np.count_nonzero(~np.isfinite(got[:total]))} outputs not written"
+    err = np.linalg.norm(got[:total] - want) / np.linalg.norm(want)
+    assert err < TOLERANCE, f"relative error {err:.3g} (tile {tile})"
+    return err

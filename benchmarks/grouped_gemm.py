@@ -4,7 +4,7 @@ Times, in one run:
 
 * ours: ``grouped_matmul`` with bf16 and NVFP4 weights (both projections) and
   ``gate_up_swiglu`` (bf16, NVFP4);
-* ours, native: the Triton-language NVFP4 kernels (``native.py``, through jax-triton) in the
+* ours, native: the Triton-language NVFP4 kernels (``triton_lang.py``, through jax-triton) in the
   mode this GPU runs (W4A16 below SM100), plain and fused, when jax-triton is importable;
 * ``jax.lax.ragged_dot`` (bf16);
 * JAX's Mosaic GPU ``ragged_dot_mgpu`` (bf16), after a small tuning sweep like its ``main()``;
@@ -193,11 +193,11 @@ def ours(op: Op, fmt: str, cc: int, *, config=None, variant=None):
 
 
 def native_fn(op: Op, cc: int):
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton and jax-triton)
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton and jax-triton)
 
     def fn(x, w, w_t, q, g):
         del w, w_t
-        return native.run(op, x, q, g, compute_capability=cc)
+        return triton_lang.run(op, x, q, g, compute_capability=cc)
     return fn
 
 
@@ -394,11 +394,11 @@ def full_mlp(cc: int, runs: int, bandwidth: float, experts: int):
     out = {"rows": MLP_ROWS, "ms": ms, "byte_floor_ms": floor_ms, "bytes": float(np.mean(active_bytes)),
            "ratio_to_floor": ms / floor_ms}
     if _native_available():
-        from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton and jax-triton)
+        from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton and jax-triton)
 
         def native_mlp(x, q_gu, q_d, g):
-            h = native.run(Op.GATE_UP_SWIGLU, x, q_gu, g, compute_capability=cc)
-            return native.run(Op.MATMUL, h, q_d, g, compute_capability=cc)
+            h = triton_lang.run(Op.GATE_UP_SWIGLU, x, q_gu, g, compute_capability=cc)
+            return triton_lang.run(Op.MATMUL, h, q_d, g, compute_capability=cc)
 
         out["native_ms"] = time_jax(native_mlp, sets, runs)
     weights.cache_clear()

@@ -1,4 +1,4 @@
-"""Tile sweep of the Triton-language NVFP4 kernels (``native.py``) at Kimi K2's real size.
+"""Tile sweep of the Triton-language NVFP4 kernels (``triton_lang.py``) at Kimi K2's real size.
 
 384 experts on one GPU, uniform routing, the fused gate/up + SwiGLU (``[E, 4096, 7168]``) and the
 down projection (``[E, 7168, 2048]``), at the row counts of 32, 256 and 8192 tokens (x 8) by default.
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from benchmarks.grouped_gemm import copy_bandwidth, group_sizes, time_jax  # noqa: E402
 from moe_jax import nvfp4  # noqa: E402
 from pallas_kernels.grouped_matmul import run as pallas_run  # noqa: E402
-from pallas_kernels.grouped_matmul import native  # noqa: E402
+from pallas_kernels.grouped_matmul import triton_lang  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import Op, decode_tile, prefill_tile  # noqa: E402
 
 EXPERTS, HIDDEN, INTERMEDIATE = 384, 7168, 2048
@@ -68,7 +68,7 @@ ONE_GROUP_CANDIDATES = [None, decode_tile(32, 32, 256, 4, 3), decode_tile(64, 64
                         prefill_tile(128, 64, 128, 8, 3)]
 
 
-# The W4A16 input gradient (``native.input_grad``, ``dy @ W_e``) at the training shape (48 local
+# The W4A16 input gradient (``triton_lang.input_grad``, ``dy @ W_e``) at the training shape (48 local
 # experts: EP 8 of 384); block_n is its output tile (the weight's K), block_k its reduction step.
 INPUT_GRAD_EXPERTS = 48
 INPUT_GRAD_CANDIDATES = [None, prefill_tile(128, 128, 64, 8, 3), prefill_tile(128, 128, 64, 8, 4),
@@ -101,7 +101,7 @@ def sweep(weights, rows, candidates, *, runs: int):
             for tile in candidates[(variant, op)]:
                 entry = {"op": op.value, "rows": m, "tile": "own choice" if tile is None else dataclasses.asdict(tile),
                          "weight_bytes": bytes_}
-                fn = jax.jit(lambda x, w, g, tile=tile, op=op: native.run(op, x, w, g, compute_capability=cc, tile=tile))
+                fn = jax.jit(lambda x, w, g, tile=tile, op=op: triton_lang.run(op, x, w, g, compute_capability=cc, tile=tile))
                 checked_and_timed(entry, fn, [(x, w, g) for x in xs], ref, runs,
                                   lambda us: {"tb_per_s": bytes_ / (us * 1e-6) / 1e12})
                 yield entry
@@ -142,7 +142,7 @@ def sweep_input_grad(weights, rows, candidates, *, runs: int):
             ref = np.asarray(pallas(dys[0], w, g), np.float32)
             flops = 2.0 * m * n_w * k
             entries = [("pallas", pallas)] + [
-                (tile, jax.jit(lambda dy, w, g, tile=tile: native.input_grad(dy, w, g, compute_capability=cc,
+                (tile, jax.jit(lambda dy, w, g, tile=tile: triton_lang.input_grad(dy, w, g, compute_capability=cc,
                                                                             tile=tile)))
                 for tile in candidates]
             for tile, fn in entries:

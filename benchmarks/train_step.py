@@ -4,7 +4,7 @@ Issue 8, item 5. Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; hi
 expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and 32768):
 
 * **step**: the routed experts' MLP (gate/up, SwiGLU, down) forward and backward through
-  ``moe_jax.experts.EXPERT_GEMM[...].run``: ``jax.vjp`` with a fixed cotangent ``dy``, grads
+  ``moe_jax.expert_gemm.EXPERT_GEMM[...].run``: ``jax.vjp`` with a fixed cotangent ``dy``, grads
   with respect to ``x`` and the bf16 weights, for ``pallas`` (the kernels' ``custom_vjp``) and
   ``xla`` (the reference path); with ``--nvfp4`` also NVFP4 frozen weights (grads w.r.t. ``x``
   only); and the torch peer: ``torch._grouped_mm`` forward and autograd backward of the same
@@ -122,13 +122,13 @@ def make_weights(shape: dict, fmt: str, seed: int) -> dict:
 
 def dense_bf16(w):
     """A bf16 array as is; NVFP4 dequantized exactly and rounded to bf16 (what ``xla`` runs)."""
-    from moe_jax.experts import dense_weight  # noqa: PLC0415
+    from moe_jax.expert_gemm import dense_weight  # noqa: PLC0415
 
     return dense_weight(w, jnp.bfloat16)
 
 
 def dense_f32(w):
-    from moe_jax.experts import dense_weight  # noqa: PLC0415
+    from moe_jax.expert_gemm import dense_weight  # noqa: PLC0415
 
     return dense_weight(w, jnp.float32)
 
@@ -195,7 +195,7 @@ def vjp_step(apply, wrt_weights: bool):
 
 
 def registered_apply(impl: str, plan):
-    from moe_jax.experts import EXPERT_GEMM  # noqa: PLC0415
+    from moe_jax.expert_gemm import EXPERT_GEMM  # noqa: PLC0415
 
     run = EXPERT_GEMM[impl].run
     return lambda x, weights, group_sizes_e: run(x, group_sizes_e, weights, plan)
@@ -204,7 +204,7 @@ def registered_apply(impl: str, plan):
 def dense_mlp(x, weights, layout):
     """The expert MLP on zero-padded per-expert blocks: the numerics of ``xla`` (bf16 operands,
     fp32 accumulation, the SwiGLU output rounded to bf16) without ``ragged_dot``."""
-    from moe_jax.experts import swiglu  # noqa: PLC0415
+    from moe_jax.expert_gemm import swiglu  # noqa: PLC0415
 
     x_ech = to_padded(x, layout)
     h_ecg = jnp.einsum("ech,egh->ecg", x_ech, dense_bf16(weights["w_gate_up_egh"]), preferred_element_type=jnp.float32)
@@ -242,13 +242,13 @@ def kernel_gemm(op: str, cc: int, interpret: bool):
 def native_gemm(op: str, cc: int):
     """The native (Triton-language, W4A16) kernel for ``op`` on NVFP4 weights: the forward product
     or the input gradient (NVFP4 weights are frozen: no weight gradient)."""
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
 
     match op:
         case "forward":
-            return lambda a, b, g: native.run(native.Op.MATMUL, a, b, g, compute_capability=cc)
+            return lambda a, b, g: triton_lang.run(triton_lang.Op.MATMUL, a, b, g, compute_capability=cc)
         case "input_grad":
-            return lambda a, b, g: native.input_grad(a, b, g, compute_capability=cc)
+            return lambda a, b, g: triton_lang.input_grad(a, b, g, compute_capability=cc)
     raise ValueError(op)
 
 
@@ -900,7 +900,7 @@ def main(argv=None):
     shape = SMOKE if args.smoke else KIMI
     device = jax.devices()[0]
     interpret = args.smoke or device.platform != "gpu"
-    from moe_jax.experts import INTERPRET_CAPABILITY  # noqa: PLC0415
+    from moe_jax.expert_gemm import INTERPRET_CAPABILITY  # noqa: PLC0415
 
     cc = INTERPRET_CAPABILITY if interpret else grouped_gemm.capability(device)
     have_torch = not args.smoke and grouped_gemm._torch_available()

@@ -13,6 +13,7 @@ from moe_jax.nvfp4 import NVFP4Tensor
 from moe_jax.plan import Plan
 from moe_jax.registry import Implementation, Registry, Target
 from moe_jax.resolve import ResolutionError, resolve
+from pallas_kernels.weight_format import WeightFormat
 
 # The registries, the layer and the module load the kernels, the collectives and Flax: they
 # are imported on first use (PEP 562), so that importing the package or its config does not.
@@ -21,7 +22,7 @@ _LAZY = {
     "load_moe_layer": "moe_jax.checkpoint",
     "save_moe_layer": "moe_jax.checkpoint",
     "EXCHANGE": "moe_jax.exchange",
-    "EXPERT_GEMM": "moe_jax.experts",
+    "EXPERT_GEMM": "moe_jax.expert_gemm",
     "MoE": "moe_jax.module",
     **dict.fromkeys(
         ("check_params", "init_params", "moe_forward", "param_shapes", "param_shardings", "quantize_params",
@@ -29,7 +30,7 @@ _LAZY = {
         "moe_jax.layer",
     ),
 }
-_SUBMODULES = ("checkpoint", "exchange", "experts", "layer", "module", "serving")
+_SUBMODULES = ("checkpoint", "exchange", "expert_gemm", "layer", "module", "serving")
 
 
 def __getattr__(name: str):
@@ -51,5 +52,5 @@ __all__ = [
     "CheckpointError", "EXCHANGE", "EXPERT_GEMM", "Implementation", "MoE", "MoEConfig", "NVFP4Tensor", "Plan",
     "Registry", "ResolutionError", "Target", "check_params", "init_params", "load_moe_layer", "moe_forward", "nvfp4",
     "param_shapes", "param_shardings", "quantize_params", "random_params", "reference_forward", "resolve", "router",
-    "save_moe_layer", "shard_params",
+    "save_moe_layer", "shard_params", "WeightFormat",
 ]

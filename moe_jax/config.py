@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from moe_jax.auto import AUTO
+from pallas_kernels.weight_format import WeightFormat
 
 Scoring = Literal["softmax", "sigmoid"]
-WeightFormat = Literal["bf16", "nvfp4"]
 ActivationDtype = Literal["bfloat16", "float32"]
 ActivationScale = Literal["auto", "checkpoint", "dynamic"]
 ReferenceActivations = Literal["bf16", "nvfp4"]
@@ -73,7 +73,7 @@ class MoEConfig:
         routed experts' parameters are then float master weights (bf16 or float32, see
         :attr:`expert_param_format`), quantized to NVFP4 in every forward pass; the expert GEMMs
         run on that quantization, and gradients reach the masters through a straight-through
-        estimator (``moe_jax.experts``).
+        estimator (``moe_jax.expert_gemm``).
       activation_scale: the global scale W4A4 quantizes the routed experts' activations against
         (one per row; E4M3 block scales are always computed on the fly). ``"checkpoint"``: the
         checkpoint's calibrated static ``input_scale`` of each expert (``params["input_scales"]``,
@@ -156,13 +156,15 @@ class MoEConfig:
         self._check_groups()
         for field, allowed in (
             ("scoring", get_args(Scoring)),
-            ("weight_format", get_args(WeightFormat)),
+            ("weight_format", tuple(WeightFormat)),
             ("dtype", get_args(ActivationDtype)),
             ("activation_scale", get_args(ActivationScale)),
             ("reference_activations", get_args(ReferenceActivations)),
         ):
             if getattr(self, field) not in allowed:
                 _fail(field, getattr(self, field), f"must be one of {', '.join(map(repr, allowed))}")
+        # Stored as the enum (equal to its string), so that kernels and configs share one type.
+        object.__setattr__(self, "weight_format", WeightFormat(self.weight_format))
         for field in ("expert_gemm", "exchange"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 _fail(field, getattr(self, field), f"must be a non-empty string: {AUTO!r} or a registered name")
@@ -173,9 +175,10 @@ class MoEConfig:
                 and self.routed_scaling_factor > 0):
             _fail("routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
         if self.shared_weight_format is not None:
-            if self.shared_weight_format not in get_args(WeightFormat):
-                allowed = ", ".join(map(repr, (None, *get_args(WeightFormat))))
+            if self.shared_weight_format not in tuple(WeightFormat):
+                allowed = ", ".join(map(repr, (None, *WeightFormat)))
                 _fail("shared_weight_format", self.shared_weight_format, f"must be one of {allowed}")
+            object.__setattr__(self, "shared_weight_format", WeightFormat(self.shared_weight_format))
             if self.num_shared_experts == 0:
                 _fail("shared_weight_format", self.shared_weight_format, "needs num_shared_experts >= 1")
         if self.qat and self.weight_format != "nvfp4":
@@ -223,7 +226,7 @@ class MoEConfig:
     def expert_param_format(self) -> WeightFormat:
         """The format the routed experts' parameters are stored in: ``weight_format``, except
         under ``qat``, where they are float masters (``"bf16"`` here means "a float array")."""
-        return "bf16" if self.qat else self.weight_format
+        return WeightFormat.BF16 if self.qat else self.weight_format
 
     @property
     def shared_size(self) -> int:

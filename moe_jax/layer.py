@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM, shared_expert_mlp
+from moe_jax.expert_gemm import EXPERT_GEMM, shared_expert_mlp
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
 from pallas_kernels.grouped_matmul import reference as gmm_reference
@@ -251,7 +251,7 @@ def check_params(params: Params, config: MoEConfig) -> None:
 
 
 def _expert_weights(params: Params, config: MoEConfig) -> dict:
-    """What the expert stage gets (:mod:`moe_jax.experts`): ``params["experts"]``, with the
+    """What the expert stage gets (:mod:`moe_jax.expert_gemm`): ``params["experts"]``, with the
     routed experts' ``"input_scales"`` where ``config.activation_scale`` takes the checkpoint's
     (``"checkpoint"``, or ``"auto"`` with the params carrying them). Inside ``shard_map`` those
     are this device's experts' (they are split along the experts as the weights are)."""
@@ -501,7 +501,7 @@ def _check_vma(plan: Plan) -> bool:
     typing, ``shard_map`` sums the cotangents of inputs along the mesh axes they do not vary over
     at its boundary, so gradients stay right (``tests/test_gradients_pallas.py`` compares them);
     with it, the kernels' VJP sums weight gradients itself
-    (:func:`moe_jax.experts.pallas_expert_mlp`). Never switched off for anything else.
+    (:func:`moe_jax.expert_gemm.pallas_expert_gemm`). Never switched off for anything else.
     """
     return not (plan.expert_gemm == "pallas" and plan.config.interpret)
 

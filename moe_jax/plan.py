@@ -44,9 +44,9 @@ class Plan:
     config: MoEConfig
     target: Target
     decisions: tuple[Decision, ...]
-    activations: str  # what the routed experts multiply their weights with (moe_jax.experts.activations_report)
+    activations: str  # what the routed experts multiply their weights with (moe_jax.expert_gemm.activations_report)
     mesh: Mesh | AbstractMesh | None = None
-    # How the shared expert runs (moe_jax.experts.shared_expert_plan): up to this many tokens per
+    # How the shared expert runs (moe_jax.expert_gemm.shared_expert_plan): up to this many tokens per
     # device through the routed experts' kernels (0: never), and the report's line for it.
     shared_kernel_max_tokens: int = 0
     shared: str = "none"

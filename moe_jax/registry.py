@@ -6,7 +6,7 @@ cannot. :func:`moe_jax.resolve` accepts exactly ``("auto", *registry.names())`` 
 and dispatch calls ``registry[name].run``: the schema and the dispatch table are one object,
 so they cannot drift.
 
-The registries themselves live with their stages (``moe_jax.experts``, ``moe_jax.exchange``);
+The registries themselves live with their stages (``moe_jax.expert_gemm``, ``moe_jax.exchange``);
 this module imports the config for type checking only.
 """
 

@@ -109,7 +109,7 @@ def stages() -> tuple[Registry, ...]:
     """The registry of every stage, in report order (see :mod:`moe_jax.plan` for the names)."""
     # Imported here, not with this module: the registries load the kernels and the collectives.
     from moe_jax.exchange import EXCHANGE
-    from moe_jax.experts import EXPERT_GEMM
+    from moe_jax.expert_gemm import EXPERT_GEMM
 
     return EXPERT_GEMM, EXCHANGE
 
@@ -174,7 +174,7 @@ def resolve(
       ResolutionError: a name no registry holds, an explicit choice that cannot run (with its
         reason), ``auto`` finding nothing, or a mesh that does not fit the config.
     """
-    from moe_jax.experts import activations_report, shared_expert_plan  # noqa: PLC0415 (loaded with the registries)
+    from moe_jax.expert_gemm import activations_report, shared_expert_plan  # noqa: PLC0415 (loaded with the registries)
 
     registries = stages()
     for registry in registries:

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax import float64_reference
 from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE
-from moe_jax.experts import EXPERT_GEMM
+from moe_jax.expert_gemm import EXPERT_GEMM
 from moe_jax.layer import moe_forward, random_params, shard_params
 from moe_jax.resolve import ResolutionError, resolve, target_for
 from pallas_kernels.grouped_matmul import reference

@@ -1,8 +1,8 @@
 """A small evaluator of the W4A16 dequantization's inline PTX on NumPy registers.
 
-The native W4A16 kernels (``pallas_kernels/grouped_matmul/native.py``) place E2M1 codes into
+The native W4A16 kernels (``pallas_kernels/grouped_matmul/triton_lang.py``) place E2M1 codes into
 bf16 with a block of inline PTX that no CPU executes. This evaluates it instruction by
-instruction, so that a test can check its bits (``tests/pallas_kernels/test_native_crosscompile.py``)
+instruction, so that a test can check its bits (``tests/pallas_kernels/test_triton_lang_crosscompile.py``)
 and so that Triton's interpreter can run whole W4A16 kernels (``tests/interpreter/interpreted.py``).
 Only the instructions that block uses are known; any other raises.
 """

@@ -1,7 +1,7 @@
 """``auto``'s order between the native (``triton``) and the Pallas kernels on SM90 is what the
 committed measurements say, for every size class the report names.
 
-``moe_jax.experts.NATIVE_VS_PALLAS`` puts ``triton`` first on SM90 for NVFP4 inference (decode and
+``moe_jax.expert_gemm.NATIVE_VS_PALLAS`` puts ``triton`` first on SM90 for NVFP4 inference (decode and
 prefill sizes) and training, and its reasons cite ``LAYER_RESULTS`` and ``TRAIN_STEP_RESULTS``. A
 new run that reversed either order fails here until the table (and the report) follow it.
 """
@@ -10,7 +10,7 @@ import json
 import pathlib
 import re
 
-from moe_jax import experts
+from moe_jax import expert_gemm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DECODE_TOKENS, PREFILL_TOKENS = (32, 256), (2048, 8192)
@@ -21,9 +21,9 @@ def _seconds(rows, impl):
 
 
 def test_inference_order_follows_the_layer_results_at_decode_and_prefill_sizes():
-    first, why = experts.NATIVE_VS_PALLAS[90]["inference"]
-    assert experts.LAYER_RESULTS in why
-    rows = json.loads((ROOT / experts.LAYER_RESULTS).read_text())["rows"]
+    first, why = expert_gemm.NATIVE_VS_PALLAS[90]["inference"]
+    assert expert_gemm.LAYER_RESULTS in why
+    rows = json.loads((ROOT / expert_gemm.LAYER_RESULTS).read_text())["rows"]
     native, pallas = _seconds(rows, "nvfp4 triton"), _seconds(rows, "nvfp4 pallas")
     for tokens in DECODE_TOKENS + PREFILL_TOKENS:
         assert f"{tokens}" in why, (tokens, why)
@@ -32,9 +32,9 @@ def test_inference_order_follows_the_layer_results_at_decode_and_prefill_sizes()
 
 
 def test_training_order_follows_the_training_step_results():
-    first, why = experts.NATIVE_VS_PALLAS[90]["training"]
-    assert experts.TRAIN_STEP_RESULTS in why
-    steps = json.loads((ROOT / experts.TRAIN_STEP_RESULTS).read_text())["steps"]
+    first, why = expert_gemm.NATIVE_VS_PALLAS[90]["training"]
+    assert expert_gemm.TRAIN_STEP_RESULTS in why
+    steps = json.loads((ROOT / expert_gemm.TRAIN_STEP_RESULTS).read_text())["steps"]
     frozen = [s for s in steps if s["weights"] == "nvfp4" and "ms" in s]
     cited = [int(rows) for rows in re.findall(r"\b\d{4,}\b", why.rsplit(" (", 1)[0])]  # the row counts it names
     assert cited == [8192, 32768], why

@@ -3,14 +3,12 @@ registries when the config is resolved."""
 
 import dataclasses
 import re
-import typing
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
-from moe_jax.config import ActivationDtype, ActivationScale, ReferenceActivations, Scoring, WeightFormat
 
 SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
 
@@ -101,13 +99,3 @@ def test_allowed_values_are_exactly_the_registries(cpu_devices):
                 resolve(config, cpu_devices[:1])
         with pytest.raises(KeyError, match="no implementation"):
             registry["not-registered"]
-
-
-def test_literal_fields_list_their_values():
-    assert typing.get_args(Scoring) == ("softmax", "sigmoid")
-    assert typing.get_args(WeightFormat) == ("bf16", "nvfp4")
-    assert typing.get_args(ActivationDtype) == ("bfloat16", "float32")
-    assert typing.get_args(ActivationScale) == ("auto", "checkpoint", "dynamic")
-    assert typing.get_args(ReferenceActivations) == ("bf16", "nvfp4")
-    defaults = MoEConfig(**SMALL)
-    assert (defaults.activation_scale, defaults.reference_activations) == ("auto", "bf16")

@@ -1,4 +1,4 @@
-"""Gradients through the Pallas expert kernels (``moe_jax.experts.pallas_expert_mlp``'s custom
+"""Gradients through the Pallas expert kernels (``moe_jax.expert_gemm.pallas_expert_gemm``'s custom
 VJP) equal ``jax.grad`` of the ``xla`` reference path: in the Pallas interpreter on CPU, natively
 on a GPU, on one device and under an expert-parallel ``shard_map``.
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sharding
-from moe_jax import experts
+from moe_jax import expert_gemm
 from moe_jax import (
     MoEConfig, init_params, moe_forward, nvfp4, quantize_params, reference_forward, resolve, shard_params,
 )
@@ -170,7 +170,7 @@ def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(r
     h = np.asarray(x, np.float64) @ gate_up.T
     gate, up = np.split(h, 2, axis=1)
     ref = (gate / (1 + np.exp(-gate)) * up) @ down.T
-    y = np.asarray(jax.jit(experts.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
+    y = np.asarray(jax.jit(expert_gemm.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
     dense = dataclasses.replace(plan, shared_kernel_max_tokens=0)
 

@@ -72,10 +72,10 @@ def test_triton_trains_on_w4a16_only_and_takes_nvfp4_only():
 
 
 def _mode() -> str:
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
 
     major, minor = jax.devices("gpu")[0].compute_capability.split(".")[:2]
-    return native.mode_for(10 * int(major) + int(minor)).value
+    return triton_lang.mode_for(10 * int(major) + int(minor)).value
 
 
 @pytest.mark.gpu

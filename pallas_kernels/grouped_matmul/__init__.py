@@ -5,7 +5,7 @@ Public API::
     grouped_matmul(x_mk, w, group_sizes_e, *, compute_capability, interpret=False, out=None)
     gate_up_swiglu(x_mk, w_gate_up, group_sizes_e, *, compute_capability, interpret=False, out=None)
 
-and the two products a backward pass needs (``moe_jax.experts`` builds the expert MLP's VJP
+and the two products a backward pass needs (``moe_jax.expert_gemm`` builds the expert MLP's VJP
 from them)::
 
     grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability, interpret=False)
@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.grouped_matmul import triton as triton_backend
+from pallas_kernels.grouped_matmul import pallas_triton
 from pallas_kernels.grouped_matmul import tuning
-from pallas_kernels.grouped_matmul.triton import Dequant, Order
+from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
 __all__ = ["gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "run"]
@@ -83,7 +83,7 @@ def grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: in
     ``w`` is the forward's ``[E, N, K]`` weight, read as stored (NVFP4 dequantized in the
     kernel, no transposed or dequantized copy). Its global scale must be ``[E]``: a fused
     gate/up weight with gate's and up's own scales is passed with the scales folded into
-    ``dy_mn`` instead (``moe_jax.experts`` does).
+    ``dy_mn`` instead (``moe_jax.expert_gemm`` does).
     """
     return run(Op.MATMUL, dy_mn, w, group_sizes_e, compute_capability=compute_capability, interpret=interpret,
                out=out, transpose_w=True)
@@ -125,7 +125,7 @@ def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability
         zeros = jnp.zeros((e, n, k), out_dtype)
         return (zeros, jnp.zeros((1,), jnp.int32)) if check_bounds else zeros
     config = tuning.choose_weight_grad_tile(num_rows=m, num_experts=e, compute_capability=compute_capability)
-    spec = triton_backend.WeightGradSpec(
+    spec = pallas_triton.WeightGradSpec(
         config=config, num_experts=e, num_rows=m, n=n, k=k, block_n=tuning.fit_block(config.block_n, n, N_MULTIPLE),
         block_k=tuning.fit_block(config.block_k, k, N_MULTIPLE), out_dtype=np.dtype(out_dtype),
         check_bounds=check_bounds,
@@ -135,8 +135,8 @@ def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _weight_grad_jit(spec, interpret, x_mk, dy_mn, group_sizes_e, out):
-    bounds = triton_backend.group_bounds(group_sizes_e, num_rows=spec.num_rows)
-    return triton_backend.launch_weight_grad(spec, bounds, x_mk, dy_mn, out, interpret=interpret)
+    bounds = pallas_triton.group_bounds(group_sizes_e, num_rows=spec.num_rows)
+    return pallas_triton.launch_weight_grad(spec, bounds, x_mk, dy_mn, out, interpret=interpret)
 
 
 def _check_group_sizes(group_sizes_e) -> None:
@@ -260,13 +260,13 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
         # error of 1.0 for the transposed (memory-order) tile, where EXACT gave 1.7e-3
         # (benchmarks/NOTES.md, "Kernel VJPs"), so the input gradient dequantizes with EXACT.
         dequant = Dequant.EXACT if interpret or transpose_w else Dequant.PTX
-    spec = triton_backend.KernelSpec(
+    spec = pallas_triton.KernelSpec(
         variant=variant, weights=weights, op=op, dequant=dequant, config=config, num_rows=m, k=k, n_out=n_out,
         block_k=tuning.fit_block(
             min(config.block_k, _TRANSPOSED_NVFP4_MAX_BLOCK_K) if transpose_w and weights is WeightFormat.NVFP4
             else config.block_k, k, K_MULTIPLE),
         block_n=tuning.fit_block(config.block_n, n_out, N_MULTIPLE),
-        max_tiles=triton_backend.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
+        max_tiles=pallas_triton.max_tiles(m, num_experts, config.block_m), aliased=out is not None,
         scale_groups=scale_groups, check_bounds=check_bounds, transpose_w=transpose_w,
     )
     return _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out)
@@ -275,7 +275,7 @@ def run(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, interpret: b
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out):
     if spec.order is Order.FRAGMENT:
-        x_mk = triton_backend.permute_k(x_mk)
-    schedule = triton_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.config.block_m,
+        x_mk = pallas_triton.permute_k(x_mk)
+    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.config.block_m,
                                             num_tiles=spec.max_tiles)
-    return triton_backend.launch(spec, schedule, x_mk, weight_arrays, out, interpret=interpret)
+    return pallas_triton.launch(spec, schedule, x_mk, weight_arrays, out, interpret=interpret)

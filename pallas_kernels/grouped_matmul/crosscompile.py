@@ -133,28 +133,28 @@ def compile_backward(capability: int, kernel: str, variant: Variant, weights: We
 
 
 def native_keys(capability: int) -> list[tuple[Variant, Op]]:
-    """The native kernels' tile keys of one capability (``native.NATIVE_TILES``)."""
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+    """The native kernels' tile keys of one capability (``triton_lang.NATIVE_TILES``)."""
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
-    return sorted(native.NATIVE_TILES[capability], key=lambda key: tuple(part.value for part in key))
+    return sorted(triton_lang.NATIVE_TILES[capability], key=lambda key: tuple(part.value for part in key))
 
 
 def compile_native(capability: int, key: tuple[Variant, Op], *, experts: int = EXPERTS,
                    with_sass: bool = False) -> tuple[Record, crosscompile.CompiledKernel]:
-    """Compiles the Triton-language kernel (``native.py``) of one tile entry at the Kimi K2 shape:
+    """Compiles the Triton-language kernel (``triton_lang.py``) of one tile entry at the Kimi K2 shape:
     the mode the capability runs (W4A4 from SM100, else W4A16) and the op's projection (gate/up
     ``[E, 2F, H]`` fused with SwiGLU, or down ``[E, H, F]``). Returns the record and the kernel
     (PTX, TTGIR) for the instruction checks."""
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
     variant, op = key
-    tile = native.NATIVE_TILES[capability][key]
+    tile = triton_lang.NATIVE_TILES[capability][key]
     k, n_out = (HIDDEN, INTERMEDIATE) if op is Op.GATE_UP_SWIGLU else (INTERMEDIATE, HIDDEN)
-    mode = native.mode_for(capability)
-    spec = native.make_spec(op, mode, num_rows=ROWS[variant], num_experts=experts, k=k, n_out=n_out,
+    mode = triton_lang.mode_for(capability)
+    spec = triton_lang.make_spec(op, mode, num_rows=ROWS[variant], num_experts=experts, k=k, n_out=n_out,
                             scale_groups=1, compute_capability=capability, tile=tile)
     kernel = crosscompile.compile_jit(
-        native.kernel_function(), signature=native.signature(spec), constexprs=spec.constexprs(),
+        triton_lang.kernel_function(), signature=triton_lang.signature(spec), constexprs=spec.constexprs(),
         capability=capability, num_warps=tile.num_warps, num_stages=tile.num_stages,
         name=f"native_{op.value}_{mode.value}_{variant.value}", with_sass=with_sass)
     record = Record(
@@ -169,13 +169,13 @@ def compile_native(capability: int, key: tuple[Variant, Op], *, experts: int = E
 
 def compile_input_grad(capability: int, *, n: int, k: int, rows: int, experts: int,
                        with_sass: bool = False) -> crosscompile.CompiledKernel:
-    """Compiles the native W4A16 input-gradient kernel (``native.input_grad``) with its table's
+    """Compiles the native W4A16 input-gradient kernel (``triton_lang.input_grad``) with its table's
     tile for ``rows`` rows over ``experts`` experts, weights ``[E, n, k]``."""
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
-    spec = native.make_input_grad_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability)
+    spec = triton_lang.make_input_grad_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability)
     return crosscompile.compile_jit(
-        native.input_grad_kernel_function(), signature=native.input_grad_signature(spec), constexprs=spec.constexprs(),
+        triton_lang.input_grad_kernel_function(), signature=triton_lang.input_grad_signature(spec), constexprs=spec.constexprs(),
         capability=capability, num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
         name="native_input_grad_w4a16", with_sass=with_sass)
 

@@ -12,7 +12,7 @@ Variants:
   expert its N operand, so a tile of 16-32 rows still feeds 64-row MMA instructions and each
   weight byte is streamed from memory once per N-tile. Bandwidth-bound.
 * ``PREFILL``: large row tiles; compute-bound. bf16 uses the usual ``x @ W^T``; NVFP4 keeps
-  swap-AB so the dequantized tile feeds the MMA from registers (see ``triton.py``).
+  swap-AB so the dequantized tile feeds the MMA from registers (see ``pallas_triton.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import dataclasses
 import enum
 from typing import assert_never
 
+from pallas_kernels.weight_format import WeightFormat
+
 #: Shared memory per block available to a kernel, per capability, in bytes.
 SHARED_MEMORY_BYTES = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
 
@@ -28,11 +30,6 @@ SHARED_MEMORY_BYTES = {80: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120:
 class Variant(enum.Enum):
     DECODE = "decode"
     PREFILL = "prefill"
-
-
-class WeightFormat(enum.Enum):
-    BF16 = "bf16"
-    NVFP4 = "nvfp4"
 
 
 class Op(enum.Enum):

@@ -1,4 +1,4 @@
-"""Runs the native kernels (``pallas_kernels/grouped_matmul/native.py``), W4A4 and W4A16, in
+"""Runs the native kernels (``pallas_kernels/grouped_matmul/triton_lang.py``), W4A4 and W4A16, in
 Triton's interpreter on CPU, with NumPy buffers and every memory access bounds-checked.
 
 Needs triton 3.9.0 and ``TRITON_INTERPRET=1`` before triton is imported (``./run test`` runs
@@ -88,9 +88,9 @@ def buffer(array: np.ndarray, name: str) -> Buffer:
 def schedule_buffers(group_sizes, num_rows: int, block_m: int, num_tiles: int) -> list[Buffer]:
     """The kernels' first three arguments: the real tile schedule (``tile_schedule``) as buffers."""
     import jax.numpy as jnp  # noqa: PLC0415
-    from pallas_kernels.grouped_matmul import triton as pallas_backend  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import pallas_triton  # noqa: PLC0415
 
-    schedule = pallas_backend.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=num_rows, block_m=block_m,
+    schedule = pallas_triton.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows=num_rows, block_m=block_m,
                                             num_tiles=num_tiles)
     return [buffer(np.asarray(a, np.int32), name)
             for a, name in zip(schedule, ("tile_expert", "tile_start", "tile_end"), strict=True)]

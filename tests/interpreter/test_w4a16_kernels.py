@@ -2,7 +2,7 @@
 tensor cores), executed in Triton's interpreter on CPU.
 
 The E2M1 placement is inline PTX, which the interpreter evaluates through ``ptx_emulator``
-(``interpreted.install``); everything else is the kernel as the GPU gets it: ``native.make_spec``'s
+(``interpreted.install``); everything else is the kernel as the GPU gets it: ``triton_lang.make_spec``'s
 tile (or the one under test), the real tile schedule, ``x``'s columns in ``permute_k``'s order,
 NaN-poisoned outputs whose padding rows must stay NaN, every load and store bounds-checked.
 Both the forward kernels (plain and fused gate/up + SwiGLU) and the input-gradient kernel
@@ -21,7 +21,7 @@ import pytest
 
 import interpreted
 from nvfp4_float64 import compare, dequantized, random_problem, random_weights, reference
-from pallas_kernels.grouped_matmul import native
+from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, decode_tile, prefill_tile
 
 CC = 90
@@ -42,10 +42,10 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
     m = total + padding
     x = _bf16(rng, (m, k))
     if variant is not None:
-        tile = native.NATIVE_TILES[CC][(variant, op)]
-    spec = native.make_spec(op, native.Mode.W4A16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+        tile = triton_lang.NATIVE_TILES[CC][(variant, op)]
+    spec = triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                             scale_groups=scale_groups, compute_capability=CC, tile=tile, out_k_order=out_k_order)
-    x_perm = np.asarray(native.permute_k(jnp.asarray(x), spec.block_k))
+    x_perm = np.asarray(triton_lang.permute_k(jnp.asarray(x), spec.block_k))
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
@@ -55,10 +55,10 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
                 interpreted.buffer(global_scale.reshape(experts, scale_groups), "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
-    got = interpreted.launch(native.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
     want = reference(op, x.astype(np.float64), packed, scales, global_scale, group_sizes)
     if out_k_order:
-        want = np.asarray(native.permute_k(jnp.asarray(want), out_k_order))
+        want = np.asarray(triton_lang.permute_k(jnp.asarray(want), out_k_order))
     return compare(got, want, total, spec.tile)
 
 
@@ -72,14 +72,14 @@ def input_grad(group_sizes, *, n: int, k: int, tile=None, experts=None, used=Non
     total = int(group_sizes.sum())
     m = total + padding
     dy = _bf16(rng, (m, n))
-    spec = native.make_input_grad_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC, tile=tile)
+    spec = triton_lang.make_input_grad_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC, tile=tile)
     interpreted.reset()
     out = np.full((m, k), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.block_m, spec.max_tiles)
     buffers += [interpreted.buffer(dy, "dy"), interpreted.buffer(packed, "w.packed"),
                 interpreted.buffer(scales, "w.scales"), interpreted.buffer(global_scale, "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
-    got = interpreted.launch(native.input_grad_kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    got = interpreted.launch(triton_lang.input_grad_kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
     want, start = [], 0
     for e, size in enumerate(group_sizes):
         if size:
@@ -150,8 +150,8 @@ def test_input_gradient_group_size_patterns(pattern):
 def test_input_gradient_with_the_table_tiles(many):
     """Both SM90 table tiles (chosen by rows per expert), several reduction steps and output tiles."""
     sizes = [700, 0, 650, 800] if many else [3, 0, 1, 5]
-    spec = native.make_input_grad_spec(num_rows=sum(sizes) + 3, num_experts=4, n=256, k=256, compute_capability=CC)
-    assert spec.tile == native.INPUT_GRAD_TILES[CC][many]
+    spec = triton_lang.make_input_grad_spec(num_rows=sum(sizes) + 3, num_experts=4, n=256, k=256, compute_capability=CC)
+    assert spec.tile == triton_lang.INPUT_GRAD_TILES[CC][many]
     input_grad(sizes, n=256, k=256)
 
 

@@ -2,7 +2,7 @@
 
 The W4A4 kernels multiply on the FP4 tensor cores (``tl.dot_scaled`` e2m1 x e2m1 with E4M3
 scales); no SM100/SM120 GPU is available to this project, so this is where that branch runs:
-the kernel as the GPU would get it (``native.make_spec``'s tile for SM100 or SM120, the real
+the kernel as the GPU would get it (``triton_lang.make_spec``'s tile for SM100 or SM120, the real
 tile schedule and the activations quantized by ``nvfp4.quantize_rows``), against a float64
 reference written here from the NVFP4 definition (E2M1 codes x E4M3 block scales x global
 scales, activations and weights alike), with NaN-poisoned outputs whose padding rows must stay
@@ -21,7 +21,7 @@ import pytest
 import interpreted
 from nvfp4_float64 import compare, dequantized, random_problem, reference
 from moe_jax import nvfp4
-from pallas_kernels.grouped_matmul import native
+from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, prefill_tile
 
 def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, group_sizes: np.ndarray, *,
@@ -36,8 +36,8 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
     groups = 1 if global_scale.ndim == 1 else 2
     if variant is not None:
-        tile = native.NATIVE_TILES[cc][(variant, op)]
-    spec = native.make_spec(op, native.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+        tile = triton_lang.NATIVE_TILES[cc][(variant, op)]
+    spec = triton_lang.make_spec(op, triton_lang.Mode.W4A4, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                             scale_groups=groups, compute_capability=cc, tile=tile, out_k_order=out_k_order)
     global_m = None
     if input_scale_e is not None:
@@ -53,7 +53,7 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
                 interpreted.buffer(global_scale.reshape(experts, groups), "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
-    got = interpreted.launch(native.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
     a_mk = dequantized(x_packed, x_scales.view(np.uint8), x_global.astype(np.float64)[:, None])
     return got, a_mk, spec
 
@@ -69,7 +69,7 @@ def check(op, group_sizes, *, cc, k, n_out, scale_groups=1, variant=None, tile=N
                                       tile=tile, input_scale_e=input_scale_e, out_k_order=out_k_order)
     want = reference(op, a_mk, packed, scales, global_scale, group_sizes)
     if out_k_order:
-        want = native.permute_k(want, out_k_order)
+        want = triton_lang.permute_k(want, out_k_order)
     return compare(got, want, total, spec.tile)
 
 

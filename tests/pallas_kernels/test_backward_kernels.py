@@ -145,18 +145,18 @@ def test_bad_arguments_raise_naming_the_argument(rng, call, match):
 
 def test_transposed_nvfp4_tile_keeps_memory_order():
     """Transposed, the packed dimension is the output's, so neither the tile nor x is permuted."""
-    from pallas_kernels.grouped_matmul import triton as triton_backend, tuning
+    from pallas_kernels.grouped_matmul import pallas_triton, tuning
 
     config = tuning.TILE_TABLE[90][(Variant.DECODE, tuning.WeightFormat.NVFP4, Op.MATMUL)]
-    spec = triton_backend.KernelSpec(
-        variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=triton_backend.Dequant.EXACT,
+    spec = pallas_triton.KernelSpec(
+        variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=pallas_triton.Dequant.EXACT,
         config=config, num_rows=16, k=64, n_out=64, block_k=64, block_n=64, max_tiles=1, aliased=False,
         transpose_w=True)
-    assert spec.order is triton_backend.Order.MODELOPT
+    assert spec.order is pallas_triton.Order.MODELOPT
     with pytest.raises(ValueError, match="transpose_w"):
-        triton_backend.KernelSpec(
+        pallas_triton.KernelSpec(
             variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.GATE_UP_SWIGLU,
-            dequant=triton_backend.Dequant.EXACT, config=config, num_rows=16, k=64, n_out=64, block_k=64, block_n=64,
+            dequant=pallas_triton.Dequant.EXACT, config=config, num_rows=16, k=64, n_out=64, block_k=64, block_n=64,
             max_tiles=1, aliased=False, transpose_w=True)
 
 
@@ -174,10 +174,10 @@ def test_weight_grad_tiles_fit_shared_memory():
 
 def test_bounds_check_sees_unclipped_groups_in_the_weight_grad(rng, monkeypatch):
     """The weight gradient's bounds check itself: group bounds not cut at M read past x and dy."""
-    from pallas_kernels.grouped_matmul import triton as triton_backend
+    from pallas_kernels.grouped_matmul import pallas_triton
 
     case = CASES["groups_sum_past_the_rows"]
-    bounds = triton_backend.group_bounds
+    bounds = pallas_triton.group_bounds
 
     def unclipped(group_sizes_e, *, num_rows):
         return bounds(group_sizes_e, num_rows=2**30)

@@ -19,7 +19,7 @@ import pytest
 
 from moe_jax import nvfp4
 from pallas_kernels.grouped_matmul import Dequant, Op, Variant, gate_up_swiglu, grouped_matmul, reference, run, tuning
-from pallas_kernels.grouped_matmul import triton as triton_backend
+from pallas_kernels.grouped_matmul import pallas_triton
 
 TOLERANCE = 1e-2  # Relative Frobenius error; bf16 output rounding alone is ~3e-3.
 
@@ -220,7 +220,7 @@ def test_bounds_check_sees_a_broken_schedule(rng, monkeypatch):
     read x and write out past their last row, which the interpreter alone would clamp."""
     case = CASES["groups_sum_past_the_rows"]
     x, w, group_sizes = _inputs(rng, case, "nvfp4", Op.MATMUL)
-    schedule = triton_backend.tile_schedule
+    schedule = pallas_triton.tile_schedule
 
     def unclipped(group_sizes_e, *, num_rows, block_m, num_tiles):
         return schedule(group_sizes_e, num_rows=2**30, block_m=block_m, num_tiles=num_tiles)
@@ -260,8 +260,8 @@ def test_tile_schedule_covers_each_row_once(rng):
         e, m, bm = int(rng.integers(1, 9)), int(rng.integers(1, 200)), int(rng.choice([16, 32, 64]))
         sizes = rng.integers(0, 2 * m // e + 2, size=e)
         sizes[rng.random(e) < 0.3] = 0
-        num_tiles = triton_backend.max_tiles(m, e, bm)
-        expert, start, end = (np.asarray(a) for a in triton_backend.tile_schedule(
+        num_tiles = pallas_triton.max_tiles(m, e, bm)
+        expert, start, end = (np.asarray(a) for a in pallas_triton.tile_schedule(
             jnp.asarray(sizes, jnp.int32), num_rows=m, block_m=bm, num_tiles=num_tiles))
         owner = np.full(m, -1)
         for t in range(num_tiles):
@@ -282,8 +282,8 @@ def test_tile_schedule_at_kimi_size_covers_the_last_expert_and_has_no_loop(rng):
     sizes = np.zeros(e, np.int64)
     sizes[rng.choice(e - 8, 24, replace=False)] = 8
     sizes[-8:] = 8  # experts 376..383
-    schedule = jax.jit(functools.partial(triton_backend.tile_schedule, num_rows=m, block_m=bm,
-                                         num_tiles=triton_backend.max_tiles(m, e, bm)))
+    schedule = jax.jit(functools.partial(pallas_triton.tile_schedule, num_rows=m, block_m=bm,
+                                         num_tiles=pallas_triton.max_tiles(m, e, bm)))
     assert "stablehlo.while" not in schedule.lower(jnp.asarray(sizes, jnp.int32)).as_text()
     expert, start, end = (np.asarray(a) for a in schedule(jnp.asarray(sizes, jnp.int32)))
     used = end > start
@@ -299,8 +299,8 @@ def test_exact_dequantization_matches_reference(rng):
     scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
     want = reference.dequantize(t.packed, t.scales, t.global_scale)
     for i in range(e):
-        tile = triton_backend.dequantize_tile(t.packed[i], scales_u8[i], Dequant.EXACT, triton_backend.Order.MODELOPT)
-        got = np.asarray(tile.astype(jnp.float32), np.float64) * 2.0**triton_backend.OPERAND_EXPONENT_DEFICIT
+        tile = pallas_triton.dequantize_tile(t.packed[i], scales_u8[i], Dequant.EXACT, pallas_triton.Order.MODELOPT)
+        got = np.asarray(tile.astype(jnp.float32), np.float64) * 2.0**pallas_triton.OPERAND_EXPONENT_DEFICIT
         np.testing.assert_array_equal(got * float(t.global_scale[i]), want[i])
 
 
@@ -308,15 +308,15 @@ def test_fragment_order_is_a_consistent_permutation_of_k(rng):
     n, k = 16, 128
     t = nvfp4.quantize(jnp.asarray(rng.standard_normal((1, n, k)), jnp.float32))
     scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
-    tiles = {order: triton_backend.dequantize_tile(t.packed[0], scales_u8[0], Dequant.EXACT, order)
-             for order in triton_backend.Order}
-    np.testing.assert_array_equal(np.asarray(tiles[triton_backend.Order.FRAGMENT]),
-                                  np.asarray(triton_backend.permute_k(tiles[triton_backend.Order.MODELOPT])))
-    perm = np.asarray(triton_backend.permute_k(jnp.arange(k)[None]))[0]
+    tiles = {order: pallas_triton.dequantize_tile(t.packed[0], scales_u8[0], Dequant.EXACT, order)
+             for order in pallas_triton.Order}
+    np.testing.assert_array_equal(np.asarray(tiles[pallas_triton.Order.FRAGMENT]),
+                                  np.asarray(pallas_triton.permute_k(tiles[pallas_triton.Order.MODELOPT])))
+    perm = np.asarray(pallas_triton.permute_k(jnp.arange(k)[None]))[0]
     assert sorted(perm.tolist()) == list(range(k))
     assert (perm // 32 == np.arange(k) // 32).all()  # It stays inside 32-element blocks.
     x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(triton_backend.permute_k(x)), np.asarray(x)[:, perm])
+    np.testing.assert_array_equal(np.asarray(pallas_triton.permute_k(x)), np.asarray(x)[:, perm])
 
 
 # --- argument checking -------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_global_scale_shapes_each_op_takes(rng):
             gate_up_swiglu(xg, dataclasses.replace(w_gate_up, global_scale=bad), gg, compute_capability=90,
                            interpret=True)
     with pytest.raises(ValueError, match=r"^KernelSpec\.scale_groups: 2, expected one of \(1,\) for matmul"):
-        dataclasses.replace(triton_backend.KernelSpec(
+        dataclasses.replace(pallas_triton.KernelSpec(
             variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=Dequant.EXACT,
             config=tuning.TILE_TABLE[90][(Variant.DECODE, tuning.WeightFormat.NVFP4, Op.MATMUL)], num_rows=16, k=64,
             n_out=16, block_k=64, block_n=16, max_tiles=2, aliased=False), scale_groups=2)

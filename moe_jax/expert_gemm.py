@@ -90,7 +90,7 @@ def _nvfp4_rows(a_mk, input_scale_e, group_sizes_e) -> tuple[jax.Array, jax.Arra
     return nvfp4.quantize_rows(a_mk, global_m)
 
 
-def xla_expert_mlp(x_mh, group_sizes_e, weights, plan: Plan):
+def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
@@ -188,18 +188,18 @@ _PALLAS_PRODUCTS = _Products(
 )
 
 
-def _native():
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton, loaded on use)
+def _triton_lang():
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton, loaded on use)
 
-    return native
+    return triton_lang
 
 
 # W4A16 (SM80-SM90). The weight gradient of float masters (qat) is a dense product: the Pallas
 # kernel's, the one there is.
 _TRITON_PRODUCTS = _Products(
-    matmul=lambda x, w, g, plan: _native().run(_native().Op.MATMUL, x, w, g, mode=_native().Mode.W4A16,
+    matmul=lambda x, w, g, plan: _triton_lang().run(_triton_lang().Op.MATMUL, x, w, g, mode=_triton_lang().Mode.W4A16,
                                                compute_capability=plan.target.compute_capability),
-    input_grad=lambda dy, w, g, plan: _native().input_grad(dy, w, g, compute_capability=plan.target.compute_capability),
+    input_grad=lambda dy, w, g, plan: _triton_lang().input_grad(dy, w, g, compute_capability=plan.target.compute_capability),
     weight_grad=_pallas_weight_grad,
 )
 
@@ -318,17 +318,17 @@ def _pallas_forward(x_mh, group_sizes_e, weights, plan: Plan):
     return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
 
 
-pallas_expert_mlp = _differentiable(_pallas_forward, _PALLAS_PRODUCTS)
+pallas_expert_gemm = _differentiable(_pallas_forward, _PALLAS_PRODUCTS)
 
 
 def _pallas_run(x_mh, group_sizes_e, weights, plan: Plan):
-    """:func:`pallas_expert_mlp` on the projections: its kernels take bf16 activations (W4A16),
+    """:func:`pallas_expert_gemm` on the projections: its kernels take bf16 activations (W4A16),
     so activation scales are not theirs to read."""
-    return pallas_expert_mlp(x_mh, group_sizes_e, {name: weights[name] for name in _PROJECTIONS}, plan)
+    return pallas_expert_gemm(x_mh, group_sizes_e, {name: weights[name] for name in _PROJECTIONS}, plan)
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
-    # No condition on target.training: the kernels have a VJP (pallas_expert_mlp).
+    # No condition on target.training: the kernels have a VJP (pallas_expert_gemm).
     if not config.interpret:
         if target.platform != "cuda":
             return (f"needs an NVIDIA GPU, found {target.platform}; MoEConfig.interpret=True runs the "
@@ -345,7 +345,7 @@ def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
 
 
 def _triton_forward(x_mh, group_sizes_e, weights, plan: Plan):
-    """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``, through
+    """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.triton_lang``, through
     jax-triton): fused gate/up + SwiGLU, then the down projection.
 
     On SM100/SM120 (W4A4) each kernel's activations are quantized to NVFP4 just before it, one
@@ -360,45 +360,45 @@ def _triton_forward(x_mh, group_sizes_e, weights, plan: Plan):
     input-gradient kernel for ``x`` (frozen NVFP4 weights), and under ``qat`` the weight
     gradient of the float masters.
     """
-    native = _native()
+    triton_lang = _triton_lang()
     cc = plan.target.compute_capability
-    mode = native.mode_for(cc)
+    mode = triton_lang.mode_for(cc)
     weights = _kernel_weights(weights, plan)
     gate_up_scale_e, down_scale_e = _static_scales(weights)
 
     def rows(a_mk, input_scale_e):
         match mode:
-            case native.Mode.W4A16:
+            case triton_lang.Mode.W4A16:
                 return a_mk.astype(jnp.bfloat16)
-            case native.Mode.W4A4:
-                return native.NVFP4Rows(*_nvfp4_rows(a_mk, input_scale_e, group_sizes_e))
+            case triton_lang.Mode.W4A4:
+                return triton_lang.NVFP4Rows(*_nvfp4_rows(a_mk, input_scale_e, group_sizes_e))
             case _:
                 assert_never(mode)
 
     # W4A16: the gate/up kernel writes its output's columns in the order the down kernel reads
-    # them (native.permute_k), which saves a pass over the intermediate activations between them.
+    # them (triton_lang.permute_k), which saves a pass over the intermediate activations between them.
     order = 0
-    if mode is native.Mode.W4A16:
+    if mode is triton_lang.Mode.W4A16:
         w_down = weights["w_down_ehf"]
-        order = native.k_order(native.Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0],
+        order = triton_lang.k_order(triton_lang.Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0],
                                k=2 * w_down.packed.shape[-1], n_out=w_down.packed.shape[-2], compute_capability=cc)
-    a_mf = native.run(native.Op.GATE_UP_SWIGLU, rows(x_mh, gate_up_scale_e), weights["w_gate_up_egh"], group_sizes_e,
+    a_mf = triton_lang.run(triton_lang.Op.GATE_UP_SWIGLU, rows(x_mh, gate_up_scale_e), weights["w_gate_up_egh"], group_sizes_e,
                       compute_capability=cc, out_k_order=order)
-    y_mh = native.run(native.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
+    y_mh = triton_lang.run(triton_lang.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
                       compute_capability=cc, x_k_order=order)
     return y_mh.astype(jnp.bfloat16)
 
 
-triton_expert_mlp = _differentiable(_triton_forward, _TRITON_PRODUCTS)
+triton_expert_gemm = _differentiable(_triton_forward, _TRITON_PRODUCTS)
 
 
 def _triton_run(x_mh, group_sizes_e, weights, plan: Plan):
-    """:func:`triton_expert_mlp`; the activation scales go in only where the kernels quantize
+    """:func:`triton_expert_gemm`; the activation scales go in only where the kernels quantize
     activations (W4A4), so that the differentiable (W4A16) path sees the projections alone."""
-    native = _native()
-    if native.mode_for(plan.target.compute_capability) is native.Mode.W4A16:
+    triton_lang = _triton_lang()
+    if triton_lang.mode_for(plan.target.compute_capability) is triton_lang.Mode.W4A16:
         weights = {name: weights[name] for name in _PROJECTIONS}
-    return triton_expert_mlp(x_mh, group_sizes_e, weights, plan).astype(plan.config.dtype)
+    return triton_expert_gemm(x_mh, group_sizes_e, weights, plan).astype(plan.config.dtype)
 
 
 def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -417,15 +417,15 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
     for package in ("triton", "jax_triton"):
         if importlib.util.find_spec(package) is None:
             return f"{package.replace('_', '-')} is not installed (pip install 'moe-jax[triton]')"
-    from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
     cc = target.compute_capability
-    if cc not in native.NATIVE_TILES:
+    if cc not in triton_lang.NATIVE_TILES:
         return (f"no native tile configurations for {target.device_kind} (SM{cc}); "
-                f"tuned for SM{', SM'.join(map(str, sorted(native.NATIVE_TILES)))}")
-    if (target.training or config.qat) and cc not in native.INPUT_GRAD_TILES:
+                f"tuned for SM{', SM'.join(map(str, sorted(triton_lang.NATIVE_TILES)))}")
+    if (target.training or config.qat) and cc not in triton_lang.INPUT_GRAD_TILES:
         return (f"training on SM{cc}: the native backward kernels are W4A16 (SM"
-                f"{', SM'.join(map(str, sorted(native.INPUT_GRAD_TILES)))}); 'pallas' is differentiable here")
+                f"{', SM'.join(map(str, sorted(triton_lang.INPUT_GRAD_TILES)))}); 'pallas' is differentiable here")
     return None
 
 
@@ -481,9 +481,9 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
     cc = target.compute_capability
     match expert_gemm:
         case "triton":
-            from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+            from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
-            w4a4 = native.mode_for(cc) is native.Mode.W4A4
+            w4a4 = triton_lang.mode_for(cc) is triton_lang.Mode.W4A4
             where = (f"W4A4 on the FP4 tensor cores of SM{cc}" if w4a4
                      else f"W4A16: triton dequantizes the weights on SM{cc}")
         case "xla":
@@ -534,9 +534,9 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
     if config.qat:
         return 0, f"{dense} (under qat the {expert_gemm} kernels take the routed experts' float masters)"
     if expert_gemm == "triton":
-        from pallas_kernels.grouped_matmul import native  # noqa: PLC0415 (needs triton)
+        from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
-        if native.mode_for(target.compute_capability) is native.Mode.W4A4:
+        if triton_lang.mode_for(target.compute_capability) is triton_lang.Mode.W4A4:
             return 0, (f"{dense} in {config.dtype} (triton quantizes activations to NVFP4 on "
                        f"SM{target.compute_capability}; the shared expert's stay {config.dtype})")
     if config.shared_size % pallas_gmm.K_MULTIPLE:
@@ -591,7 +591,7 @@ EXPERT_GEMM = Registry(
             name="xla",
             summary="reference: dequantize + jax.lax.ragged_dot (fp32 accumulation); any backend, differentiable",
             cannot_run=_xla_cannot_run,
-            run=xla_expert_mlp,
+            run=xla_expert_gemm,
         ),
     ),
     auto_order=_auto_order,

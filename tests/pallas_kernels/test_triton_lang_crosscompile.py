@@ -1,4 +1,4 @@
-"""The Triton-language NVFP4 kernels (``native.py``) cross-compiled for every capability, no GPU.
+"""The Triton-language NVFP4 kernels (``triton_lang.py``) cross-compiled for every capability, no GPU.
 
 This is the standing proof that the SM120 path exists and is the native one: every tile entry
 compiles for ``sm_120a`` to the block-scaled FP4 ``mma.sync ... kind::mxf4nvf4`` and for
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import ptx_emulator  # noqa: E402
 from moe_jax.nvfp4 import NVFP4Tensor  # noqa: E402
 from pallas_kernels.grouped_matmul import crosscompile  # noqa: E402
-from pallas_kernels.grouped_matmul import native  # noqa: E402
+from pallas_kernels.grouped_matmul import triton_lang  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op  # noqa: E402
 
 EXPECTED = {
@@ -41,7 +41,7 @@ def test_every_native_tile_compiles_to_the_native_instruction(cc, key):
     assert re.search(mma, kernel.ptx)
     if cc >= 100:  # the FP4 operands are never widened to bf16 MMA
         assert "bf16.bf16" not in kernel.ptx
-        assert native.mode_for(cc) is native.Mode.W4A4
+        assert triton_lang.mode_for(cc) is triton_lang.Mode.W4A4
     assert record.spill_bytes == 0, f"{record.spill_bytes} bytes of register spills"
     assert 0 < record.shared_bytes <= record.shared_limit
 
@@ -58,31 +58,31 @@ def test_one_group_gets_the_one_group_tiles_which_compile_to_wgmma(op):
     k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
 
     def spec(rows, experts, cc):
-        return native.make_spec(op, native.Mode.W4A16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
+        return triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
                                 scale_groups=1, compute_capability=cc)
 
     def without_one_group_tiles(rows, experts, cc):
-        if rows >= native.MANY_ROWS_PER_EXPERT * experts and op in native.MANY_ROWS_TILES.get(cc, {}):
-            return native.MANY_ROWS_TILES[cc][op]
+        if rows >= triton_lang.MANY_ROWS_PER_EXPERT * experts and op in triton_lang.MANY_ROWS_TILES.get(cc, {}):
+            return triton_lang.MANY_ROWS_TILES[cc][op]
         variant = tuning.choose_variant(num_rows=rows, num_experts=experts, compute_capability=cc)
-        return native.NATIVE_TILES[cc][(variant, op)]
+        return triton_lang.NATIVE_TILES[cc][(variant, op)]
 
     def blocks(tile):
         return tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.extra_m, tile.tail_m
 
     low = 1
-    for max_rows, tiles in native.ONE_GROUP_TILES[90]:
+    for max_rows, tiles in triton_lang.ONE_GROUP_TILES[90]:
         for rows in (low, max_rows):
             expected = tiles.get(op) or without_one_group_tiles(rows, 1, 90)
             assert blocks(spec(rows, 1, 90).tile) == blocks(expected), (rows, op)
         low = max_rows + 1
     for rows, experts, cc in ((low, 1, 90), (32, 2, 90), (32, 1, 80), (256, 1, 80)):
         assert blocks(spec(rows, experts, cc).tile) == blocks(without_one_group_tiles(rows, experts, cc))
-    for max_rows, tiles in native.ONE_GROUP_TILES[90]:
+    for max_rows, tiles in triton_lang.ONE_GROUP_TILES[90]:
         if op not in tiles:
             continue
         one = spec(max_rows, 1, 90)
-        kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(one),
+        kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(one),
                                       constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
                                       num_stages=one.tile.num_stages, name=f"native_one_group_{op.value}")
         assert re.search(EXPECTED[90][1], kernel.ptx)
@@ -101,18 +101,18 @@ def test_many_rows_per_expert_get_the_many_rows_tile_which_compiles_without_spil
     k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
 
     def tile(rows, cc):
-        return native.make_spec(op, native.Mode.W4A16, num_rows=rows, num_experts=384, k=k, n_out=n_out,
+        return triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=rows, num_experts=384, k=k, n_out=n_out,
                                 scale_groups=1, compute_capability=cc).tile
 
-    many = native.MANY_ROWS_PER_EXPERT * 384
-    prefill = native.NATIVE_TILES[90][(tuning.Variant.PREFILL, op)]
-    expected = native.MANY_ROWS_TILES[90].get(op, prefill)
+    many = triton_lang.MANY_ROWS_PER_EXPERT * 384
+    prefill = triton_lang.NATIVE_TILES[90][(tuning.Variant.PREFILL, op)]
+    expected = triton_lang.MANY_ROWS_TILES[90].get(op, prefill)
     assert tile(many, 90).block_m == expected.block_m and tile(many, 90).extra_m == expected.extra_m
     assert tile(many - 1, 90).extra_m == prefill.extra_m and tile(many - 1, 90).block_n == prefill.block_n
-    assert tile(many, 80).extra_m == native.NATIVE_TILES[80][(tuning.Variant.PREFILL, op)].extra_m == 0
-    spec = native.make_spec(op, native.Mode.W4A16, num_rows=many, num_experts=384, k=k, n_out=n_out, scale_groups=1,
+    assert tile(many, 80).extra_m == triton_lang.NATIVE_TILES[80][(tuning.Variant.PREFILL, op)].extra_m == 0
+    spec = triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=many, num_experts=384, k=k, n_out=n_out, scale_groups=1,
                             compute_capability=90)
-    kernel = compiler.compile_jit(native.kernel_function(), signature=native.signature(spec),
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
                                   constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
                                   num_stages=spec.tile.num_stages, name=f"native_many_rows_{op.value}")
     assert len(re.findall(EXPECTED[90][1], kernel.ptx)) >= 2
@@ -127,7 +127,7 @@ def test_offsets_past_int32_use_64_bit_bases():
     assert re.search(r"arith\.muli %\S+, %\S+ : i64", kernel.ttgir)
     # Kimi K2 / DeepSeek-V3 projections (N_W, K), and 2x Kimi's hidden size for headroom.
     for n_w, k in ((4096, 7168), (7168, 2048), (2 * 2 * 2048, 2 * 7168)):
-        tile = max((t for table in native.NATIVE_TILES.values() for t in table.values()), key=lambda t: t.block_m)
+        tile = max((t for table in triton_lang.NATIVE_TILES.values() for t in table.values()), key=lambda t: t.block_m)
         assert n_w * (k // 2) < 2**31 and tile.block_m * k < 2**31 and tile.block_m * n_w < 2**31
     # ... while the whole 384-expert tensor does not (the reason for the 64-bit bases).
     assert 384 * 7168 * (2048 // 2) > 2**31
@@ -140,18 +140,18 @@ def _nvfp4(e=4, n=64, k=128):
 
 def test_bad_input_gets_one_line_naming_the_argument():
     w, sizes, x = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 128), jnp.bfloat16)
-    rows = native.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
+    rows = triton_lang.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
                             global_scale=jnp.ones((10,), jnp.float32))
     cases = [
         (dict(x=x.astype(jnp.float32)), r"^x: float32\[10, 128\], expected bfloat16 \[M, K\] \(W4A16\)$"),
         (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
         (dict(w=_nvfp4(e=3)), r"^w\.packed: uint8\[3, 64, 64\], expected uint8 \[E=4 \(group_sizes_e\), N, 64\]"),
-        (dict(cc=90, mode=native.Mode.W4A4), r"^mode: W4A4 on compute capability 90, expected >= 100"),
+        (dict(cc=90, mode=triton_lang.Mode.W4A4), r"^mode: W4A4 on compute capability 90, expected >= 100"),
         (dict(cc=75), r"^compute_capability: 75 has no native tile configurations"),
         (dict(x=jnp.ones((10, 96), jnp.bfloat16), w=_nvfp4(k=96)), r"^x: K=96, expected a positive multiple of 64$"),
         (dict(sizes=sizes.astype(jnp.float32)), r"^group_sizes_e: float32\[4\], expected int32 \[E\], E >= 1$"),
         (dict(out=jnp.zeros((9, 64), jnp.bfloat16)), r"^out: bfloat16\[9, 64\], expected bfloat16 \[10, 64\]$"),
-        (dict(mode=native.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
+        (dict(mode=triton_lang.Mode.W4A4, cc=120), r"^x: ArrayImpl, expected NVFP4Rows"),
         (dict(out_k_order=96), r"^out_k_order: 96, expected 0 or a power of two >= 64 dividing the output's 64 "),
         (dict(x_k_order=64), r"^x_k_order: 64, expected this launch's block_k 128 \(k_order\(\)\)$"),
         (dict(cc=120, x=rows, out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a4"),
@@ -159,7 +159,7 @@ def test_bad_input_gets_one_line_naming_the_argument():
     for change, message in cases:
         args = dict(x=x, w=w, sizes=sizes, cc=90, mode=None, out=None, out_k_order=0, x_k_order=0) | change
         with pytest.raises(ValueError, match=message):
-            native.run(Op.MATMUL, args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
+            triton_lang.run(Op.MATMUL, args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
                        mode=args["mode"], out=args["out"], out_k_order=args["out_k_order"],
                        x_k_order=args["x_k_order"])
 
@@ -180,16 +180,16 @@ def test_input_grad_bad_input_gets_one_line_naming_the_argument():
     for change, message in cases:
         args = dict(dy=dy, w=w, sizes=sizes, cc=90, out=None) | change
         with pytest.raises(ValueError, match=message):
-            native.input_grad(args["dy"], args["w"], args["sizes"], compute_capability=args["cc"], out=args["out"])
+            triton_lang.input_grad(args["dy"], args["w"], args["sizes"], compute_capability=args["cc"], out=args["out"])
 
 
-@pytest.mark.parametrize("cc", sorted(native.INPUT_GRAD_TILES))
+@pytest.mark.parametrize("cc", sorted(triton_lang.INPUT_GRAD_TILES))
 def test_input_grad_tiles_compile_to_the_bf16_mma_without_spills(cc):
     """Both input-gradient tiles of each capability at Kimi K2's projections (fewer and more
     than INPUT_GRAD_MANY_ROWS rows per expert): the bf16 MMA of the chip, within its shared
     memory, no spills (the dequantized tile reaches the MMA through shared memory)."""
     for n, k in ((4096, 7168), (7168, 2048)):
-        for rows in (48 * native.INPUT_GRAD_MANY_ROWS - 1, 48 * native.INPUT_GRAD_MANY_ROWS):
+        for rows in (48 * triton_lang.INPUT_GRAD_MANY_ROWS - 1, 48 * triton_lang.INPUT_GRAD_MANY_ROWS):
             kernel = crosscompile.compile_input_grad(cc, n=n, k=k, rows=rows, experts=48)
             assert kernel.target == EXPECTED[cc][0] and re.search(EXPECTED[cc][1], kernel.ptx), (n, k, rows)
             assert kernel.spill_bytes == 0 and kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc], (n, k, rows)
@@ -197,10 +197,10 @@ def test_input_grad_tiles_compile_to_the_bf16_mma_without_spills(cc):
 
 def test_w4a4_activation_rows_are_checked_field_by_field():
     w, sizes = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32)
-    rows = native.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
+    rows = triton_lang.NVFP4Rows(packed=jnp.zeros((10, 64), jnp.uint8), scales=jnp.ones((10, 8), jnp.float8_e4m3fn),
                             global_scale=jnp.ones((9,), jnp.float32))
     with pytest.raises(ValueError, match=r"^x\.global_scale: float32\[9\], expected float32 \[10\]$"):
-        native.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
+        triton_lang.run(Op.MATMUL, rows, w, sizes, compute_capability=120)
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 256])
@@ -220,10 +220,10 @@ def test_w4a16_word_pairs_and_column_order(block_k):
     scale = np.asarray(jnp.asarray(rng.uniform(2.0**-9, 448, words.shape), jnp.float8_e4m3fn).astype(jnp.float32),
                        np.float64)
     scale_bits = (np.asarray(jnp.asarray(scale * 2.0**119, jnp.bfloat16)).view(np.uint16)).astype(np.uint64)
-    regs = ptx_emulator.run(native._WORD_TO_BF16_PTX.value.replace("$", "r"), {"r8": words, "r9": scale_bits})
+    regs = ptx_emulator.run(triton_lang._WORD_TO_BF16_PTX.value.replace("$", "r"), {"r8": words, "r9": scale_bits})
     outputs = [regs[f"r{j}"].astype(np.uint16).view(jnp.bfloat16).astype(np.float64) / scale * 128 for j in range(8)]
     expected = np.where(codes & 8, -1.0, 1.0) * values[codes & 7]
-    for j, nibble in enumerate(native._OUTPUT_NIBBLE):
+    for j, nibble in enumerate(triton_lang._OUTPUT_NIBBLE):
         np.testing.assert_array_equal(outputs[j], expected[:, nibble::8])
 
     def join(a, b):
@@ -232,7 +232,7 @@ def test_w4a16_word_pairs_and_column_order(block_k):
     o = outputs
     tile = join(join(join(o[0], o[1]), join(o[2], o[3])), join(join(o[4], o[5]), join(o[6], o[7])))
     tile = tile.reshape(8, 4, block_k // 32, 2, 2, 2).transpose(0, 2, 5, 4, 1, 3).reshape(8, block_k)
-    perm = np.asarray(native.permute_k(jnp.arange(block_k)[None], block_k))[0]
+    perm = np.asarray(triton_lang.permute_k(jnp.arange(block_k)[None], block_k))[0]
     np.testing.assert_array_equal(tile, expected[:, perm])
     thread = (np.arange(block_k) >> 1) & 3
     np.testing.assert_array_equal(perm // 8 // (block_k // 32), thread)

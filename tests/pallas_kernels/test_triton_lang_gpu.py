@@ -1,9 +1,9 @@
-"""The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.native``) on a GPU.
+"""The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.triton_lang``) on a GPU.
 
 W4A16 runs below SM100 (the H200 here), W4A4 on SM100/SM120; each test runs the mode of the
-GPU it finds; the W4A16 input-gradient kernel (``native.input_grad``) runs below SM100. Their
+GPU it finds; the W4A16 input-gradient kernel (``triton_lang.input_grad``) runs below SM100. Their
 CPU twins execute the same kernels in Triton's interpreter (``tests/interpreter/``), and the
-CPU suite cross-compiles every tile configuration (``test_native_crosscompile.py``).
+CPU suite cross-compiles every tile configuration (``test_triton_lang_crosscompile.py``).
 
 Every test compares against a float64 reference of the same NVFP4 weights (and, for W4A4, of
 the same quantized activations), writes into NaN-poisoned ``out`` buffers and checks that
@@ -26,7 +26,7 @@ from moe_jax.nvfp4 import NVFP4Tensor
 from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.grouped_matmul.tuning import Op, Variant
 
-native = pytest.importorskip("pallas_kernels.grouped_matmul.native", reason="needs triton")
+triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
 TOLERANCE = 1e-2
 
 
@@ -40,26 +40,26 @@ def _random_nvfp4(rng, e: int, n: int, k: int, groups: int = 1) -> NVFP4Tensor:
 def _rows_for(mode, x_mk):
     """The kernel's activation operand for ``mode`` and the float64 rows it stands for."""
     match mode:
-        case native.Mode.W4A16:
+        case triton_lang.Mode.W4A16:
             return x_mk, np.asarray(x_mk, np.float64)
-        case native.Mode.W4A4:
+        case triton_lang.Mode.W4A4:
             packed, scales, global_m = nvfp4.quantize_rows(x_mk)
             exact = reference.dequantize(np.asarray(packed)[:, None], np.asarray(scales)[:, None], np.asarray(global_m))
-            return native.NVFP4Rows(packed, scales, global_m), exact[:, 0]
+            return triton_lang.NVFP4Rows(packed, scales, global_m), exact[:, 0]
     raise AssertionError(mode)
 
 
 def _check(rng, op: Op, num_experts: int, k: int, n_out: int, sizes: np.ndarray, padding: int, groups: int = 1,
            wrap=lambda f: f, tile=None):
     cc = _capability()
-    mode = native.mode_for(cc)
+    mode = triton_lang.mode_for(cc)
     n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
     w = _random_nvfp4(rng, num_experts, n_w, k, groups)
     m = int(sizes.sum()) + padding
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rows, x64 = _rows_for(mode, x)
     poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
-    call = wrap(jax.jit(functools.partial(native.run, op, compute_capability=cc, tile=tile)))
+    call = wrap(jax.jit(functools.partial(triton_lang.run, op, compute_capability=cc, tile=tile)))
     y = np.asarray(call(rows, w, jnp.asarray(sizes, jnp.int32), out=poisoned).astype(jnp.float32), np.float64)
     defined = int(sizes.sum())
     ref = (reference.gate_up_swiglu if op is Op.GATE_UP_SWIGLU else reference.grouped_matmul)(x64, w, sizes)
@@ -86,14 +86,14 @@ def test_native_row_paths_at_their_boundaries(rng, op):
     """The SM90 prefill tiles' three row paths (tail, ``block_m`` and ``block_m + extra_m`` rows
     in two MMAs sharing one dequantization): experts of each path's size, one row more and one
     less, among empty ones, at 384 experts with the last ones used."""
-    if _capability() not in native.MANY_ROWS_TILES:
+    if _capability() not in triton_lang.MANY_ROWS_TILES:
         pytest.skip(f"SM{_capability()} has no many-rows tiles (measured on SM90 only)")
     e, tail, block, extra = 384, 64, 128, 64
     sizes = np.zeros(e, np.int32)
     sizes[[0, 1, 2, 3, 5, 7, 100, 380, 381, 382, 383]] = [
         tail, tail + 1, block, block + 1, block + extra, block + extra + 1, tail - 1, 1, block + extra - 1,
         2 * (block + extra) + tail, 3 * (block + extra) + tail + 1]
-    tile = native.MANY_ROWS_TILES[90][Op.MATMUL] if op is Op.MATMUL else native.NATIVE_TILES[90][(Variant.PREFILL, op)]
+    tile = triton_lang.MANY_ROWS_TILES[90][Op.MATMUL] if op is Op.MATMUL else triton_lang.NATIVE_TILES[90][(Variant.PREFILL, op)]
     assert (tile.tail_m, tile.block_m, tile.extra_m) == (tail, block, extra), tile
     _check(rng, op, e, 256, 128, sizes, padding=29, tile=tile)
 
@@ -124,7 +124,7 @@ def test_native_gate_up_writes_the_down_kernels_column_order(rng, rows_per_exper
     order is the natural output permuted (bit for bit), and the down kernel reading it so gives
     the same rows as reading the natural output."""
     cc = _capability()
-    if native.mode_for(cc) is not native.Mode.W4A16:
+    if triton_lang.mode_for(cc) is not triton_lang.Mode.W4A16:
         pytest.skip(f"SM{cc} runs W4A4: the column orders are the W4A16 kernels'")
     e, k, f, h = 12, 512, 256, 384
     sizes = rng.integers(0, 2 * rows_per_expert, e).astype(np.int32)
@@ -132,11 +132,11 @@ def test_native_gate_up_writes_the_down_kernels_column_order(rng, rows_per_exper
     m, defined = int(sizes.sum()) + 7, int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w_gu, w_d, g = _random_nvfp4(rng, e, 2 * f, k), _random_nvfp4(rng, e, h, f), jnp.asarray(sizes)
-    order = native.k_order(Op.MATMUL, num_rows=m, num_experts=e, k=f, n_out=h, compute_capability=cc)
-    run = jax.jit(native.run, static_argnums=0, static_argnames=("compute_capability", "out_k_order", "x_k_order"))
+    order = triton_lang.k_order(Op.MATMUL, num_rows=m, num_experts=e, k=f, n_out=h, compute_capability=cc)
+    run = jax.jit(triton_lang.run, static_argnums=0, static_argnames=("compute_capability", "out_k_order", "x_k_order"))
     natural = run(Op.GATE_UP_SWIGLU, x, w_gu, g, compute_capability=cc)
     ordered = run(Op.GATE_UP_SWIGLU, x, w_gu, g, compute_capability=cc, out_k_order=order)
-    np.testing.assert_array_equal(np.asarray(native.permute_k(natural, order)[:defined]), np.asarray(ordered[:defined]))
+    np.testing.assert_array_equal(np.asarray(triton_lang.permute_k(natural, order)[:defined]), np.asarray(ordered[:defined]))
     y_natural = run(Op.MATMUL, natural, w_d, g, compute_capability=cc)
     y_ordered = run(Op.MATMUL, ordered, w_d, g, compute_capability=cc, x_k_order=order)
     np.testing.assert_array_equal(np.asarray(y_natural[:defined]), np.asarray(y_ordered[:defined]))
@@ -146,7 +146,7 @@ def test_native_gate_up_writes_the_down_kernels_column_order(rng, rows_per_exper
 @pytest.mark.gpu
 def test_native_under_shard_map_with_vma_checks(rng):
     """Inside ``shard_map(check_vma=True)`` on a one-device mesh: the output must carry the
-    operands' varying axes (jax_triton's primitive drops them; ``native`` casts them back)."""
+    operands' varying axes (jax_triton's primitive drops them; ``triton_lang`` casts them back)."""
     mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices("gpu")[:1])
     spec = jax.sharding.PartitionSpec("expert")
 
@@ -166,7 +166,7 @@ def test_native_under_shard_map_with_vma_checks(rng):
 def test_native_on_two_gpus_each_with_its_own_experts(rng):
     """Expert parallelism's local step: each of 2 GPUs runs its half of the experts on its rows."""
     cc = _capability()
-    mode = native.mode_for(cc)
+    mode = triton_lang.mode_for(cc)
     e_local, k, n = 6, 256, 192
     mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices("gpu")[:2])
     spec = jax.sharding.PartitionSpec("expert")
@@ -178,7 +178,7 @@ def test_native_on_two_gpus_each_with_its_own_experts(rng):
 
     @jax.jit
     def run(rows, w, sizes):
-        return jax.shard_map(lambda r, w, s: native.run(Op.MATMUL, r, w, s, compute_capability=cc), mesh=mesh,
+        return jax.shard_map(lambda r, w, s: triton_lang.run(Op.MATMUL, r, w, s, compute_capability=cc), mesh=mesh,
                              in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(rows, w, sizes)
 
     placed = jax.device_put((rows, w, jnp.asarray(sizes)), jax.sharding.NamedSharding(mesh, spec))
@@ -198,14 +198,14 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
     """384 experts, the top expert ids (down projection codes past 2**31 bytes), NaN-poisoned
     outputs: the harness of ``test_kimi_size_gpu.py`` with the native kernel."""
     cc = _capability()
-    mode = native.mode_for(cc)
+    mode = triton_lang.mode_for(cc)
     kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
 
     def kernel(x, w, sizes, *, compute_capability, out):
-        return native.run(kernel_op, _rows_for(mode, x)[0], w, sizes, compute_capability=compute_capability, out=out)
+        return triton_lang.run(kernel_op, _rows_for(mode, x)[0], w, sizes, compute_capability=compute_capability, out=out)
 
     def expert_fn(x_mk, w_nk):
-        if mode is native.Mode.W4A4:  # the rows the kernel saw: quantized per row, as on the device
+        if mode is triton_lang.Mode.W4A4:  # the rows the kernel saw: quantized per row, as on the device
             x_mk = _rows_for(mode, jnp.asarray(x_mk, jnp.bfloat16))[1]
         return expert_reference(op, x_mk, w_nk)
 
@@ -214,7 +214,7 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
 
 def _input_grad_capability() -> int:
     cc = _capability()
-    if cc not in native.INPUT_GRAD_TILES:
+    if cc not in triton_lang.INPUT_GRAD_TILES:
         pytest.skip(f"SM{cc} has no W4A16 input-gradient tiles")
     return cc
 
@@ -231,7 +231,7 @@ def test_native_input_grad_matches_float64_reference(rng, rows_per_expert):
     m, defined = int(sizes.sum()) + 37, int(sizes.sum())
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     poisoned = jnp.full((m, k), jnp.nan, jnp.bfloat16)
-    call = jax.jit(functools.partial(native.input_grad, compute_capability=cc))
+    call = jax.jit(functools.partial(triton_lang.input_grad, compute_capability=cc))
     got = np.asarray(call(dy, w, jnp.asarray(sizes), out=poisoned).astype(jnp.float32), np.float64)
     dense = reference.dequantize(np.asarray(w.packed), np.asarray(w.scales), np.asarray(w.global_scale))
     starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -248,5 +248,5 @@ def test_native_input_grad_kimi_size_top_experts_match_float64_reference(rng, re
     """``dy @ W_e`` at 384 experts, the top expert ids (down codes past 2**31 bytes), NaN-poisoned."""
     _input_grad_capability()
     n, k = {"gate_up_swiglu": (2 * F, H), "down": (H, F)}[op]
-    _check_top_experts(rng, record_property, f"native input_grad {op}", native.input_grad, "nvfp4", (n, k), n, k,
+    _check_top_experts(rng, record_property, f"native input_grad {op}", triton_lang.input_grad, "nvfp4", (n, k), n, k,
                        lambda dy_mn, w_nk: dy_mn @ w_nk)

@@ -21,7 +21,7 @@ rows its N operand, so 16 token rows still feed 128-row MMAs. Weights are read i
 layout as stored (packed along K, which is the packing ``dot_scaled`` is verified for on SM120).
 
 Work split, as in the Pallas kernels: the rows of each expert are cut into tiles that never
-straddle two experts (:func:`pallas_kernels.grouped_matmul.triton.tile_schedule`); a tile reads
+straddle two experts (:func:`pallas_kernels.grouped_matmul.pallas_triton.tile_schedule`); a tile reads
 one expert's weights; rows past the expert's end are masked on load and store. Offsets into the
 weights are 64-bit (one Kimi K2 down projection is 7 MiB packed: expert 293 starts past 2**31
 bytes), and so are row offsets.
@@ -43,7 +43,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import triton as pallas_backend
+from pallas_kernels.grouped_matmul import pallas_triton
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
@@ -51,7 +51,7 @@ K_MULTIPLE = 64
 _FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
 
 #: log2 of the factor the W4A16 operand is short of ``value * scale`` (as in the Pallas kernels).
-OPERAND_EXPONENT_DEFICIT = pallas_backend.OPERAND_EXPONENT_DEFICIT
+OPERAND_EXPONENT_DEFICIT = pallas_triton.OPERAND_EXPONENT_DEFICIT
 
 
 class Mode(enum.Enum):
@@ -85,7 +85,7 @@ _d, _p = tuning.decode_tile, tuning.prefill_tile
 # 9.30 ms against 5.82 and 11.93 for the 128-row tile without extra rows or tail). SM100 and
 # SM120 are sized to the chips (tcgen05 wants 128 MMA rows; SM120 has about 99 KB of shared
 # memory per block) and cross-compiled in CI
-# (tests/pallas_kernels/test_native_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
+# (tests/pallas_kernels/test_triton_lang_crosscompile.py), never run. SM80/SM89 take earlier SM90 shapes
 # with fewer stages (mma.sync, less shared memory), not run.
 NATIVE_TILES: dict[int, dict[_TileKey, TileConfig]] = {
     80: _tiles(_d(16, 128, 128, 4, 3), _d(16, 64, 128, 4, 3), _p(64, 128, 64, 8, 3), _p(64, 64, 64, 8, 3)),
@@ -509,7 +509,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     return NativeSpec(
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
-        max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
+        max_tiles=pallas_triton.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
         out_k_order=out_k_order,
     )
 
@@ -689,7 +689,7 @@ def make_input_grad_spec(*, num_rows: int, num_experts: int, n: int, k: int, com
     block_r = tuning.fit_block(tile.block_k, n, K_MULTIPLE)
     tile = dataclasses.replace(tile, num_stages=max(1, min(tile.num_stages, n // block_r)))
     return InputGradSpec(tile=tile, num_rows=num_rows, n=n, k=k, block_o=tuning.fit_block(tile.block_n, k, K_MULTIPLE),
-                         block_r=block_r, max_tiles=pallas_backend.max_tiles(num_rows, num_experts, tile.block_m))
+                         block_r=block_r, max_tiles=pallas_triton.max_tiles(num_rows, num_experts, tile.block_m))
 
 
 def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
@@ -752,7 +752,7 @@ def launch_input_grad(spec: InputGradSpec, group_sizes_e, dy_mn, packed, scales_
     (``out``'s, where it is given: aliased)."""
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
 
-    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
+    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.block_m,
                                             num_tiles=spec.max_tiles)
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
@@ -803,7 +803,7 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scale
     """
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib; optional dependency)
 
-    schedule = pallas_backend.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.rows_per_tile,
+    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.tile.rows_per_tile,
                                             num_tiles=spec.max_tiles)
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads

@@ -507,7 +507,7 @@ def markdown(meta, cases, mlp, goals) -> str:
         ]
     lines += [
         "",
-        "## Targets (issue 3)",
+        "## Targets",
         "",
         "| target | case | value | goal | met |",
         "|---|---|---:|---:|---|",
@@ -553,7 +553,7 @@ def _cfg(variant, m, n, k, w, s, g=8):
 
 SWEEP = {
     # (variant, fmt, op, rows, projections): candidate (block_m, block_n, block_k, warps, stages);
-    # None = the tile table's entry. Earlier sweeps: benchmarks/results/grouped_gemm_sweep_call*.json.
+    # None = the tile table's entry. Earlier sweeps: benchmarks/results/pallas_tile_sweeps_h200/.
     # Call 4 ran this on two versions of the kernel's block-scale loading (benchmarks/NOTES.md).
     (Variant.DECODE, "nvfp4", Op.MATMUL, 512, ("gate_up", "down")): [None],
     (Variant.DECODE, "nvfp4", Op.MATMUL, 128, ("gate_up",)): [None],

@@ -8,7 +8,7 @@ Inputs are what ``ncu --import`` writes from a report of ``benchmarks/profile_ke
 
 Usage (no GPU needed)::
 
-    python benchmarks/ncu_summary.py RAW_CSV SASS_CSV [NOTE] > benchmarks/results/ncu_grouped_gemm.md
+    python benchmarks/ncu_summary.py RAW_CSV SASS_CSV [NOTE] > benchmarks/results/ncu_pallas_kernels_h200/ncu_grouped_gemm.md
 
 NOTE, if given, is printed under the title (which code was profiled).
 """

@@ -1,6 +1,6 @@
 """The MoE training step (forward + backward) on one GPU, and the layer with expert parallelism.
 
-Issue 8, item 5. Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; hidden 7168,
+Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; hidden 7168,
 expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and 32768):
 
 * **step**: the routed experts' MLP (gate/up, SwiGLU, down) forward and backward through
@@ -652,7 +652,7 @@ def targets(data: dict) -> list[dict]:
         add(f"step >= {TORCH_GOAL}x torch._grouped_mm (torch time / ours)", value, TORCH_GOAL,
             f"{row['weights']} grads {row['grads']} {row['routing']} M={row['rows']}")
     # Frozen NVFP4 experts move fewer bytes and skip the weight gradients: their step should take
-    # no longer than the full bf16 step (issue 18's stretch target).
+    # no longer than the full bf16 step.
     for row in (r for r in steps if r["weights"] == "nvfp4" and r["impl"] in ("pallas", "triton")):
         value = speedup(row, steps, lambda t: t["weights"] == "bf16" and t["impl"] == "pallas", ("routing", "rows"))
         add("frozen-NVFP4 step <= 1.0x the full bf16 step (bf16 pallas time / this)", value, 1.0,
@@ -740,7 +740,7 @@ def markdown(data: dict) -> str:
                 f"| {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | {row.get('exchange', '-')} | "
                 f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
                 f"{_num(row.get('err'), '.1e')} | {_note(row)} |")
-    lines += ["", "## Targets (issue 8, item 5)", "", "| target | case | value | goal | met |",
+    lines += ["", "## Targets", "", "| target | case | value | goal | met |",
               "|---|---|---:|---:|---|"]
     for goal in data["targets"]:
         lines.append(f"| {goal['target']} | {goal['detail']} | {_num(goal['value'], '.2f')} | {goal['goal']} | "

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 
 def perturb_allocator() -> None:
-    """Allocate and free 4 GiB, so later buffers land where issue 10's failing runs had them
-    (its out-of-bounds read faulted only then)."""
+    """Allocate and free 4 GiB, so later buffers land where the runs that found the Kimi K2-size
+    out-of-bounds read had them (it faulted only then)."""
     a = jnp.ones((1 << 30,), jnp.float32)
     a.block_until_ready()
     del a

@@ -39,10 +39,10 @@ def test_ncu_pages_are_rendered_from_their_exports():
         ("ncu_grouped_gemm_before.md", "ncu_grouped_gemm_before_raw.csv",
          "ncu_grouped_gemm_before_nvfp4_decode_sass.csv"),
     ):
-        committed = (RESULTS / page).read_text()
+        committed = (RESULTS / "ncu_pallas_kernels_h200" / page).read_text()
         note = committed.splitlines()[2].strip("*")
         rendered = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_summary.py"), raw, sass, note],
-                                  cwd=RESULTS, check=True, capture_output=True, text=True).stdout
+                                  cwd=RESULTS / "ncu_pallas_kernels_h200", check=True, capture_output=True, text=True).stdout
         assert rendered == committed, page
 
 

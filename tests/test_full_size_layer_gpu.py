@@ -5,8 +5,9 @@ Triton-language ones), after the allocator has been disturbed, at decode (32 tok
 
 Why: on an H200 this layer died with ``CUDA_ERROR_ILLEGAL_ADDRESS`` whenever the process had
 allocated and freed 4 GiB before creating its weights, and gave wrong outputs for every token
-routed to an expert at or above about 292 (issue 10, items 3 and 4). Smaller layers and the
-CPU suite (the Pallas interpreter clamps out-of-range indices) cannot show either.
+routed to an expert at or above about 292 (offsets past int32; benchmarks/NOTES.md, "Correct on
+real GPUs"). Smaller layers and the CPU suite (the Pallas interpreter clamps out-of-range
+indices) cannot show either.
 
 What: the 4 GiB allocation is made and freed first, in this process, before any weight
 exists. The NVFP4 weights are random codes and block scales generated on the device (no

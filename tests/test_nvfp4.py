@@ -289,7 +289,7 @@ def test_concat_rows_errors_name_the_part():
         nvfp4.concat_rows(a, nvfp4.NVFP4Tensor(a.packed, a.scales, a.global_scale[:1]), name="parts")
 
 
-# --- quantizing traced inputs: the host's bits on any backend (issue 8, item 2) ------------------
+# --- quantizing traced inputs: the host's bits on any backend ------------------------------------
 
 #: Kinds of weights for the traced-versus-host checks (also used by tests/test_nvfp4_gpu.py).
 WEIGHT_CASES = ("gaussian", "outliers", "heavy_tailed", "tiny", "zero")

@@ -1,5 +1,4 @@
-"""NVFP4 quantization inside ``jax.jit`` on a GPU gives the host's codes and scales, bit for bit
-(issue 8, item 2).
+"""NVFP4 quantization inside ``jax.jit`` on a GPU gives the host's codes and scales, bit for bit.
 
 Why: on an H200, XLA:GPU's excess-precision pass dropped the float32 -> E4M3 -> float32 round
 trip of the block scale (12,453 of 262,144 codes off), and with that fixed the global scale

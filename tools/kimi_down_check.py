@@ -1,4 +1,4 @@
-"""Issue 10's reproduction, standalone: Kimi K2's NVFP4 down projection (384 experts, N=7168,
+"""The Kimi K2-size fault's reproduction, standalone: Kimi K2's NVFP4 down projection (384 experts, N=7168,
 K=2048) after perturbing the allocator, checked against float64 for the top expert ids.
 
 On main at 25b06c3 this faulted (``CUDA_ERROR_ILLEGAL_ADDRESS``) or, without the perturbation,

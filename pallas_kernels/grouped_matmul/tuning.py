@@ -132,7 +132,7 @@ def prefill_tile(m, n, k, warps, stages, group_t=8, *, extra_m=0, tail_m=0) -> T
                       extra_m=extra_m, tail_m=tail_m)
 
 
-# The SM90 row was picked from sweeps on an H200 (benchmarks/results/grouped_gemm_sweep_call*.json,
+# The SM90 row was picked from sweeps on an H200 (benchmarks/results/pallas_tile_sweeps_h200/,
 # benchmarks/NOTES.md "Grouped GEMM kernels"). The others are sized to each chip's shared memory
 # and MMA, not measured: SM80/SM89/SM120 have mma.sync only, SM89 and SM120 about 99 KB of
 # shared memory per block; the SM100 and SM120 rows are cross-compiled in CI

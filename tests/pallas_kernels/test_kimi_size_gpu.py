@@ -6,7 +6,7 @@ expert's packed NVFP4 weights (7168 x 1024 bytes) put expert 293 past 2**31 byte
 gate/up weights (384 x 4096 x 7168) pass 2**31 elements at expert 73, so offsets that
 overflow int32 are invisible below this size. An H200 measured relative errors of 0.85
 (experts 288..295) and 1.34 (376..383) for the NVFP4 down projection, and illegal memory
-accesses once the allocator had been disturbed (issue 10, items 3 and 4). The CPU suite
+accesses once the allocator had been disturbed. The CPU suite
 cannot see this: weights of this size do not fit its budget, and the Pallas interpreter
 clamps out-of-range indices.
 

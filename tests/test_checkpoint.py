@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 import moe_jax
 from moe_jax import MoEConfig, checkpoint, moe_forward, nvfp4, reference_forward, resolve
 from moe_jax.checkpoint import Checkpoint, CheckpointError, load_moe_layer, moe_layer_indices, save_moe_layer
+from moe_jax.checkpoint import load as checkpoint_load
 from moe_jax.layer import check_params, init_params, param_logical_axes, quantize_params
 from pallas_kernels.grouped_matmul import reference as gmm_reference
 from sharding.mesh import make_mesh
@@ -297,7 +298,7 @@ def test_each_device_reads_and_holds_exactly_its_experts(ckpt_dir, synthetic, rn
                                                          expert_parallel, data_parallel):
     mesh = make_mesh(expert_parallel, data_parallel=data_parallel, devices=cpu_devices[:expert_parallel * data_parallel])
     log, current = [], {"experts": None}
-    original_read, original_leaf_read = Checkpoint.read, checkpoint._Leaf.read
+    original_read, original_leaf_read = Checkpoint.read, checkpoint_load._Leaf.read
 
     def read(self, name):
         log.append((current["experts"], name))
@@ -312,7 +313,7 @@ def test_each_device_reads_and_holds_exactly_its_experts(ckpt_dir, synthetic, rn
             current["experts"] = None
 
     monkeypatch.setattr(Checkpoint, "read", read)
-    monkeypatch.setattr(checkpoint._Leaf, "read", leaf_read)
+    monkeypatch.setattr(checkpoint_load._Leaf, "read", leaf_read)
     config, params = load_moe_layer(ckpt_dir, 1, config=sc.layer_config(expert_gemm="xla"), mesh=mesh, progress=False)
 
     # The large per-expert tensors are read inside the shard read of an owning device, once.

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from moe_jax import nvfp4
 from moe_jax.checkpoint.modelopt import (
-    _ROUTER_DTYPES, PROJECTIONS, QuantizationSettings, _check_expert_ids, _check_group, _check_tensor,
-    _expected_tensors, _group_format, _Projection, _read_projection, _scalar, quantization_settings,
+    PROJECTIONS, ROUTER_DTYPES, Projection, QuantizationSettings, check_expert_ids, check_group, check_tensor,
+    expected_tensors, group_format, quantization_settings, read_projection, read_scale,
 )
 from moe_jax.checkpoint.safetensors_io import Checkpoint, CheckpointError
 from moe_jax.config import HF_KEYS, MoEConfig, WeightFormat, hf_int, read_hf_config
@@ -75,7 +75,7 @@ def _layer_config(directory: Path, layer: int, config: MoEConfig | None) -> tupl
     return config, hf
 
 
-def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[_Projection, _Projection]]) -> np.ndarray:
+def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[Projection, Projection]]) -> np.ndarray:
     """The global scales of fused gate/up projections, one ``(gate, up)`` pair per expert.
 
     float32 ``[P]`` (the shared value) when every pair's gate and up ``weight_scale_2`` are equal
@@ -83,8 +83,9 @@ def _gate_up_scales(ckpt: Checkpoint, pairs: list[tuple[_Projection, _Projection
     ``[P, 2]`` (gate's, up's) for every pair: one array holds all experts, so one expert whose
     halves differ gives the whole layer per-half scales.
     """
-    scales_p2 = np.array([[_scalar(ckpt, gate.tensor("weight_scale_2")), _scalar(ckpt, up.tensor("weight_scale_2"))]
-                          for gate, up in pairs], np.float32).reshape(len(pairs), 2)
+    scales_p2 = np.array([[read_scale(ckpt, gate.tensor("weight_scale_2")),
+                           read_scale(ckpt, up.tensor("weight_scale_2"))] for gate, up in pairs],
+                         np.float32).reshape(len(pairs), 2)
     if (scales_p2[:, 0].view(np.uint32) == scales_p2[:, 1].view(np.uint32)).all():
         return scales_p2[:, 0]
     return scales_p2
@@ -112,7 +113,7 @@ class _Leaf:
         experts = range(*index[0].indices(self.shape[0]))
         out = np.empty((len(experts), *self.shape[1:]), self.dtype)
         for i, e in enumerate(experts):
-            out[i] = np.concatenate([_read_projection(self.ckpt, name) for name in self.per_expert(e)], axis=0)
+            out[i] = np.concatenate([read_projection(self.ckpt, name) for name in self.per_expert(e)], axis=0)
         return out[(slice(None), *index[1:])]
 
     @property
@@ -124,7 +125,7 @@ def _small(value: np.ndarray) -> _Leaf:
     return _Leaf(shape=value.shape, dtype=value.dtype, value=value)
 
 
-def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]], count: int | None,
+def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[Projection]], count: int | None,
                    weight_format: WeightFormat, global_scales: np.ndarray):
     """The leaves of one library weight: an NVFP4Tensor of leaves, or one bf16 leaf.
 
@@ -140,7 +141,7 @@ def _weight_leaves(ckpt: Checkpoint, projs_of: Callable[[int], list[_Projection]
         if count is not None:
             return _Leaf(shape=(*lead, *shape), dtype=np.dtype(dtype), ckpt=ckpt,
                          per_expert=lambda e: [p.tensor(suffix) for p in projs_of(e)])
-        return _small(np.concatenate([_read_projection(ckpt, p.tensor(suffix)) for p in projs], axis=0))
+        return _small(np.concatenate([read_projection(ckpt, p.tensor(suffix)) for p in projs], axis=0))
 
     match weight_format:
         case "nvfp4":
@@ -162,40 +163,40 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     mlp = f"model.layers.{layer}.mlp"
     used: set[str] = set()
 
-    def projections(prefix: str, inter: int) -> dict[str, _Projection]:
+    def projections(prefix: str, inter: int) -> dict[str, Projection]:
         return {
-            "gate": _Projection(module=f"{prefix}.gate_proj", n=inter, k=h),
-            "up": _Projection(module=f"{prefix}.up_proj", n=inter, k=h),
-            "down": _Projection(module=f"{prefix}.down_proj", n=h, k=inter),
+            "gate": Projection(module=f"{prefix}.gate_proj", n=inter, k=h),
+            "up": Projection(module=f"{prefix}.up_proj", n=inter, k=h),
+            "down": Projection(module=f"{prefix}.down_proj", n=h, k=inter),
         }
 
-    def expert(e: int) -> dict[str, _Projection]:
+    def expert(e: int) -> dict[str, Projection]:
         return projections(f"{mlp}.experts.{e}", f)
 
     # The router first: its shape says how many experts the checkpoint has.
     router_name = f"{mlp}.gate.weight"
     if router_name not in ckpt and f"{mlp}.gate_proj.weight" in ckpt:
         raise CheckpointError(f"{router_name}: missing, and {mlp}.gate_proj.weight is present: layer {layer} is stored dense")
-    _check_tensor(ckpt, router_name, _ROUTER_DTYPES, (e_count, h),
-                  f"router [n_routed_experts, hidden_size] = [{e_count}, {h}]; never quantized")
+    check_tensor(ckpt, router_name, ROUTER_DTYPES, (e_count, h),
+                 f"router [n_routed_experts, hidden_size] = [{e_count}, {h}]; never quantized")
     leaves: dict = {"router": {"w_eh": _small(ckpt.read(router_name))}}
     used.add(router_name)
     bias_name = f"{mlp}.gate.e_score_correction_bias"
     if config.router_bias:
         # Exports converted through bf16 store it as BF16; both half formats widen exactly.
-        _check_tensor(ckpt, bias_name, ("F32", "BF16", "F16"), (e_count,), "topk_method noaux_tc: selection bias")
+        check_tensor(ckpt, bias_name, ("F32", "BF16", "F16"), (e_count,), "topk_method noaux_tc: selection bias")
         leaves["router"]["bias_e"] = _small(ckpt.read(bias_name).astype(np.float32))
         used.add(bias_name)
 
-    _check_expert_ids(ckpt, mlp, e_count)
+    check_expert_ids(ckpt, mlp, e_count)
     routed = [p for e in range(e_count) for p in expert(e).values()]
-    experts_format = _group_format(settings, routed, f"the routed experts of layer {layer}")
-    experts_inputs = _check_group(ckpt, settings, routed, experts_format)
+    experts_format = group_format(settings, routed, f"the routed experts of layer {layer}")
+    experts_inputs = check_group(ckpt, settings, routed, experts_format)
     groups = [(routed, experts_format, experts_inputs)]  # (projections, format, has input scales)
     global_gu = global_dn = np.zeros(e_count, np.float32)
     if experts_format == "nvfp4":
         global_gu = _gate_up_scales(ckpt, [(expert(e)["gate"], expert(e)["up"]) for e in range(e_count)])
-        global_dn = np.array([_scalar(ckpt, expert(e)["down"].tensor("weight_scale_2")) for e in range(e_count)],
+        global_dn = np.array([read_scale(ckpt, expert(e)["down"].tensor("weight_scale_2")) for e in range(e_count)],
                              np.float32)
     leaves["experts"] = {
         "w_gate_up_egh": _weight_leaves(ckpt, lambda e: [expert(e)["gate"], expert(e)["up"]], e_count,
@@ -205,19 +206,19 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     input_scales = {}
     if experts_inputs:
         for p in PROJECTIONS:
-            input_scales[f"{p}_e"] = _small(np.array([_scalar(ckpt, expert(e)[p].tensor("input_scale"))
+            input_scales[f"{p}_e"] = _small(np.array([read_scale(ckpt, expert(e)[p].tensor("input_scale"))
                                                       for e in range(e_count)], np.float32))
 
     shared_format = None
     if config.num_shared_experts:
         shared = projections(f"{mlp}.shared_experts", s)
-        shared_format = _group_format(settings, shared.values(), f"the shared expert of layer {layer}")
-        shared_inputs = _check_group(ckpt, settings, list(shared.values()), shared_format)
+        shared_format = group_format(settings, shared.values(), f"the shared expert of layer {layer}")
+        shared_inputs = check_group(ckpt, settings, list(shared.values()), shared_format)
         groups.append((list(shared.values()), shared_format, shared_inputs))
         global_gu = global_dn = np.zeros((), np.float32)
         if shared_format == "nvfp4":
             global_gu = _gate_up_scales(ckpt, [(shared["gate"], shared["up"])])[0]
-            global_dn = np.asarray(_scalar(ckpt, shared["down"].tensor("weight_scale_2")))
+            global_dn = np.asarray(read_scale(ckpt, shared["down"].tensor("weight_scale_2")))
         leaves["shared"] = {
             "w_gate_up_gh": _weight_leaves(ckpt, lambda e: [shared["gate"], shared["up"]], None, shared_format,
                                            global_gu),
@@ -225,7 +226,7 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
         }
         if shared_inputs:
             for p in PROJECTIONS:
-                input_scales[f"shared_{p}"] = _small(np.asarray(_scalar(ckpt, shared[p].tensor("input_scale"))))
+                input_scales[f"shared_{p}"] = _small(np.asarray(read_scale(ckpt, shared[p].tensor("input_scale"))))
     if input_scales:
         leaves["input_scales"] = input_scales
 
@@ -233,7 +234,7 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     # projection all mean the checkpoint is not what the config says.
     for group, fmt, inputs in groups:
         for proj in group:
-            used.update(proj.tensor(suffix) for suffix in _expected_tensors(proj, fmt))
+            used.update(proj.tensor(suffix) for suffix in expected_tensors(proj, fmt))
             if inputs:
                 used.add(proj.tensor("input_scale"))
     for name in sorted(n for n in ckpt.tensors if n.startswith(f"{mlp}.") and n not in used):

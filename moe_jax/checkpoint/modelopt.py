@@ -24,7 +24,7 @@ from moe_jax.config import HF_KEYS, WeightFormat, read_hf_config
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 PROJECTIONS = ("gate", "up", "down")
-_ROUTER_DTYPES = ("BF16", "F32", "F16")
+ROUTER_DTYPES = ("BF16", "F32", "F16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,7 +122,7 @@ def _group_size_of_config_groups(q: dict, source: str):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Projection:
+class Projection:
     """One linear module of the checkpoint: ``{module}.weight`` etc., ``[N, K]`` logically."""
 
     module: str
@@ -133,7 +133,7 @@ class _Projection:
         return f"{self.module}.{suffix}"
 
 
-def _expected_tensors(proj: _Projection, weight_format: WeightFormat) -> dict[str, tuple[tuple[str, ...], tuple]]:
+def expected_tensors(proj: Projection, weight_format: WeightFormat) -> dict[str, tuple[tuple[str, ...], tuple]]:
     """suffix -> (allowed dtype codes, shape) that a projection in ``weight_format`` stores.
     Scalars may be stored as ``[]`` or ``[1]``; the shape given is ``()``."""
     match weight_format:
@@ -144,12 +144,12 @@ def _expected_tensors(proj: _Projection, weight_format: WeightFormat) -> dict[st
                 "weight_scale_2": (("F32",), ()),
             }
         case "bf16":
-            return {"weight": (("BF16", "F16"), (proj.n, proj.k))}  # F16: see _read_projection
+            return {"weight": (("BF16", "F16"), (proj.n, proj.k))}  # F16: see read_projection
         case _ as unreachable:
             assert_never(unreachable)
 
 
-def _check_tensor(ckpt: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple, why: str) -> None:
+def check_tensor(ckpt: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple, why: str) -> None:
     info = ckpt.info(name)
     scalar_ok = shape == () and info.shape in ((), (1,))
     if info.dtype not in dtypes or not (info.shape == shape or scalar_ok):
@@ -157,7 +157,7 @@ def _check_tensor(ckpt: Checkpoint, name: str, dtypes: tuple[str, ...], shape: t
         raise CheckpointError(f"{name}: {info.describe()}, expected {expected} ({why})")
 
 
-def _group_format(settings: QuantizationSettings, projections: Iterable[_Projection], what: str) -> WeightFormat:
+def group_format(settings: QuantizationSettings, projections: Iterable[Projection], what: str) -> WeightFormat:
     """The one format the settings give every projection of a group, or an error."""
     projections = list(projections)
     first = settings.format_of(projections[0].module)
@@ -170,13 +170,13 @@ def _group_format(settings: QuantizationSettings, projections: Iterable[_Project
     return first
 
 
-def _check_group(ckpt: Checkpoint, settings: QuantizationSettings, projections: list[_Projection],
-                 weight_format: WeightFormat) -> bool:
+def check_group(ckpt: Checkpoint, settings: QuantizationSettings, projections: list[Projection],
+                weight_format: WeightFormat) -> bool:
     """Checks every tensor of a group against ``weight_format``; returns whether it has input
     scales (all of its projections or none)."""
     why = f"{weight_format} by {settings.source}"
     for proj in projections:
-        for suffix, (dtypes, shape) in _expected_tensors(proj, weight_format).items():
+        for suffix, (dtypes, shape) in expected_tensors(proj, weight_format).items():
             name = proj.tensor(suffix)
             if name not in ckpt:
                 stored = ckpt.info(proj.tensor("weight")).describe() if proj.tensor("weight") in ckpt else "nothing"
@@ -184,7 +184,7 @@ def _check_group(ckpt: Checkpoint, settings: QuantizationSettings, projections: 
                     f"{name}: missing (stored {proj.tensor('weight')}: {stored}), expected {'/'.join(dtypes)} "
                     f"{list(shape)} ({why})"
                 )
-            _check_tensor(ckpt, name, dtypes, shape, why)
+            check_tensor(ckpt, name, dtypes, shape, why)
         if weight_format == "bf16" and proj.tensor("weight_scale") in ckpt:
             raise CheckpointError(
                 f"{proj.tensor('weight_scale')}: {ckpt.info(proj.tensor('weight_scale')).describe()}, "
@@ -197,11 +197,11 @@ def _check_group(ckpt: Checkpoint, settings: QuantizationSettings, projections: 
         missing = projections[present.index(False)].tensor("input_scale")
         raise CheckpointError(f"{missing}: missing, expected F32 [] (other projections of the layer have input_scale)")
     for proj in projections if all(present) else ():
-        _check_tensor(ckpt, proj.tensor("input_scale"), ("F32",), (), "NVFP4 activation scale")
+        check_tensor(ckpt, proj.tensor("input_scale"), ("F32",), (), "NVFP4 activation scale")
     return all(present)
 
 
-def _scalar(ckpt: Checkpoint, name: str) -> np.float32:
+def read_scale(ckpt: Checkpoint, name: str) -> np.float32:
     """A per-tensor scale (``weight_scale_2``, ``input_scale``): a finite float32 > 0, since every
     value of its tensor is multiplied by it (a zero, negative or non-finite one is a broken export)."""
     value = np.float32(ckpt.read(name).reshape(()))
@@ -210,7 +210,7 @@ def _scalar(ckpt: Checkpoint, name: str) -> np.float32:
     return value
 
 
-def _read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
+def read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
     """One projection tensor (``weight``, ``weight_scale``) as the library holds it, its values
     checked: NVFP4 block scales neither NaN nor negative, F16 weights converted to bf16 exactly."""
     value = ckpt.read(name)
@@ -241,7 +241,7 @@ def _read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
     return value
 
 
-def _check_expert_ids(ckpt: Checkpoint, mlp: str, e_count: int) -> None:
+def check_expert_ids(ckpt: Checkpoint, mlp: str, e_count: int) -> None:
     """The routed experts stored under ``{mlp}.experts.{e}.`` must be exactly ``0..e_count - 1``:
     one line with both counts, rather than a missing or leftover tensor of one expert."""
     prefix = f"{mlp}.experts."

@@ -31,6 +31,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from moe_jax.exact_float32 import (
+    INF_BITS, as_float32_bits, bits_f32, divide_bits, divisor, f32_bits, multiply_bits, u32,
+)
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -117,9 +121,9 @@ def e2m1_encode(v: jax.Array) -> jax.Array:
     on the bits, so subnormals count as the nonzero numbers they are on every backend (XLA:CPU's
     float comparisons read them as zero): a negative subnormal is code 8, as in ModelOpt.
     """
-    bits = _f32_bits(jnp.asarray(v, jnp.float32))
-    magnitude = bits & _u32(0x7FFFFFFF)
-    negative = ((bits >> 31) == 1) & (magnitude != 0) & (magnitude <= _F32_INF_BITS)
+    bits = f32_bits(jnp.asarray(v, jnp.float32))
+    magnitude = bits & u32(0x7FFFFFFF)
+    negative = ((bits >> 31) == 1) & (magnitude != 0) & (magnitude <= INF_BITS)
     return _e2m1_magnitude_code(magnitude) | (negative.astype(jnp.uint8) << 3)
 
 
@@ -186,12 +190,11 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     here those scales are 1.0 and the codes 0, as for any all-zero block.
 
     The arithmetic is written so that every backend gives the same bits, with no XLA flag:
-    every quotient and product of the recipe is computed in integer arithmetic on the float32
-    bits (correctly rounded IEEE float32, subnormals included: :func:`_divide_bits`), and the
-    codes are decided by integer comparisons. XLA:GPU divides float32 with PTX ``div.full.f32``
-    (up to 2 ulp off), some of its fusions did not keep a float64 division as written, and its
-    excess-precision pass drops a float32 -> E4M3 -> float32 round trip; none of these can touch
-    integer arithmetic (benchmarks/NOTES.md, "Quantizing inside ``jit`` on a GPU"). Traced inputs
+    every quotient and product of the recipe is correctly rounded IEEE float32, subnormals
+    included, computed in integer arithmetic on the bits (:mod:`moe_jax.exact_float32` says
+    why), the codes are decided by integer comparisons, and the E4M3 rounding of the block
+    scales needs no float32 -> E4M3 -> float32 round trip, which XLA:GPU's excess-precision pass
+    drops (:func:`_round_to_e4m3`). Traced inputs
     (inside ``jit``, ``shard_map``) are quantized where the computation runs; tests check them
     bit for bit against the host's result and an independent numpy implementation of ModelOpt's
     recipe (``tests/test_nvfp4.py``) and on a GPU (``tests/test_nvfp4_gpu.py``). Concrete inputs
@@ -218,180 +221,6 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), t)
 
 
-# --- exact float32 arithmetic on the bits ---------------------------------------------------------
-#
-# XLA may compute a float division any way it likes: XLA:GPU divides float32 with PTX
-# ``div.full.f32`` (up to 2 ulp off), rewrites ``a / broadcast(b)`` into ``a * (1 / b)``, and
-# some of its fusions did not keep even a float64 division exact on an H200 (benchmarks/NOTES.md,
-# "Quantizing inside ``jit`` on a GPU"); XLA:CPU flushes float32 subnormals to zero in float
-# arithmetic and comparisons. Integer arithmetic has one meaning on every backend, so the
-# quantizer's products and quotients are computed from the bits, correctly rounded to float32
-# (round half to even, subnormal results and inputs as IEEE 754 has them: as numpy computes).
-# All of it is elementwise uint32/int32 arithmetic that fuses; no loop runs over data.
-
-_F32_INF_BITS = 0x7F800000
-_F32_NAN_BITS = 0x7FC00000
-
-
-def _u32(x) -> jax.Array:
-    return jnp.asarray(x, jnp.uint32)
-
-
-def _f32_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def _bits_f32(bits: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _as_float32_bits(w: jax.Array) -> jax.Array:
-    """The bits (uint32) of ``w`` rounded to float32 (half to even), subnormals kept: float32 as
-    it is, bfloat16 by a shift, float64 by integer rounding of its bits (XLA:CPU's conversion
-    flushes float32 subnormals to zero), other dtypes by XLA's conversion (exact: float16's
-    values are all float32 normals)."""
-    if w.dtype == jnp.bfloat16:
-        return jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32) << 16
-    if w.dtype == jnp.float64:  # only exists with x64 on, so uint64 arithmetic is there too
-        bits = jax.lax.bitcast_convert_type(w, jnp.uint64)
-        biased = ((bits >> 52) & 0x7FF).astype(jnp.int32)
-        fraction = bits & ((1 << 52) - 1)
-        m = jnp.where(biased == 0, fraction, fraction | (1 << 52))  # a float64 subnormal rounds to 0
-        q = (m >> 28).astype(jnp.uint32)  # the leading one at bit 24 (normal inputs)
-        rounded = _round_and_pack(q, jnp.int32(24), jnp.maximum(biased, 1) - 896, (m & ((1 << 28) - 1)) != 0)
-        rounded = jnp.where((biased == 0x7FF) & (fraction != 0), _u32(_F32_NAN_BITS), rounded)
-        return rounded | ((bits >> 63).astype(jnp.uint32) << 31)
-    return _f32_bits(w.astype(jnp.float32))
-
-
-def _unpack(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Finite non-negative float32 bits to ``(m, e)``: uint32 ``m`` in ``[2**23, 2**24)`` and int32
-    ``e`` with value ``m * 2**e``; subnormals are normalized. Zero gives ``m = 0``."""
-    biased = (bits >> 23).astype(jnp.int32)
-    fraction = bits & _u32(0x7FFFFF)
-    m = jnp.where(biased == 0, fraction, fraction | _u32(1 << 23))
-    shift = jax.lax.clz(m) - _u32(8)  # 0 when normal; 1..23 for a subnormal (24 for zero)
-    return m << shift, jnp.maximum(biased, 1) - 150 - shift.astype(jnp.int32)
-
-
-def _round_and_pack(q: jax.Array, top: jax.Array, biased: jax.Array, inexact: jax.Array) -> jax.Array:
-    """Float32 bits of ``(q + f) * 2**(biased - 127 - top)`` rounded half to even, where uint32
-    ``q`` has its leading one at bit ``top`` (int32, 24 or 25), ``0 <= f < 1`` and ``inexact``
-    says ``f > 0``. ``biased`` is the biased exponent of the value; at or below 0 the result is
-    subnormal (more bits of ``q`` are dropped) or zero, from 255 up infinity."""
-    drop = jnp.minimum(top - 23 + jnp.maximum(1 - biased, 0), 31).astype(jnp.uint32)  # >= 1
-    kept = q >> drop
-    rest = q & ((_u32(1) << drop) - _u32(1))
-    half = _u32(1) << (drop - _u32(1))
-    up = (rest > half) | ((rest == half) & (inexact | ((kept & _u32(1)) == 1)))
-    kept = kept + up.astype(jnp.uint32)
-    # kept holds the implicit bit: [2**23, 2**24] when normal (2**24 carries into the exponent),
-    # [0, 2**23] when subnormal (2**23 is the smallest normal).
-    bits = (jnp.maximum(biased, 1) - 1).astype(jnp.uint32) << 23
-    return jnp.where(biased >= 255, _u32(_F32_INF_BITS), bits + kept)
-
-
-def _split12(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return m >> 12, m & _u32(0xFFF)
-
-
-def _multiply_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Float32 bits of ``a * b`` correctly rounded, for the bits (uint32, broadcast together) of
-    finite ``a, b >= 0``.
-
-    The 48-bit product of the significands is taken in 12-bit pieces: its bits from 22 up
-    (``q``, 25 or 26 bits) from the high pieces, and whether bits 0..21 are zero from the product
-    modulo 2**32 (uint32 multiplication wraps)."""
-    ma, ea = _unpack(a)
-    mb, eb = _unpack(b)
-    a_hi, a_lo = _split12(ma)
-    b_hi, b_lo = _split12(mb)
-    low = a_lo * b_lo  # < 2**24
-    middle = a_hi * b_lo + a_lo * b_hi + (low >> 12)  # < 2**25 + 2**12
-    q = ((a_hi * b_hi) << 2) + (middle >> 10)  # floor(ma * mb / 2**22), in [2**24, 2**26)
-    inexact = ((ma * mb) & _u32((1 << 22) - 1)) != 0
-    top = 24 + (q >> 25).astype(jnp.int32)
-    bits = _round_and_pack(q, top, top + ea + eb + 149, inexact)
-    return jnp.where((a == 0) | (b == 0), _u32(0), bits)
-
-
-def _reciprocal(mb: jax.Array) -> jax.Array:
-    """``floor((2**48 - 1) / mb)`` for uint32 ``mb`` in ``[2**23, 2**24)``: in ``(2**24, 2**25)``.
-
-    Restoring long division, one quotient bit per step (24 steps): the remainder stays below
-    ``mb``, so ``2 * remainder + 1`` fits in 25 bits."""
-    remainder = _u32((1 << 24) - 1) - mb  # the top 24 bits of the numerator, less one mb
-    quotient = jnp.ones_like(mb)
-    for _ in range(24):
-        remainder = (remainder << 1) | _u32(1)  # the next numerator bit is a one
-        bit = remainder >= mb
-        remainder = jnp.where(bit, remainder - mb, remainder)
-        quotient = (quotient << 1) | bit.astype(jnp.uint32)
-    return quotient
-
-
-def _divisor(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(b, R)``: a denominator's float32 bits ``b`` (finite, >= 0) with ``R``, the reciprocal of
-    its significand that :func:`_divide_bits` needs, computed at ``b``'s own shape. A caller
-    dividing many numerators by one denominator (a block's 16 elements) materializes this pair
-    (:func:`_materialized`), so that XLA does not fuse the 24-step reciprocal into the
-    numerators' loop and repeat it for every element."""
-    return b, _reciprocal(_unpack(b)[0])
-
-
-def _divide_bits(a: jax.Array, b: jax.Array | tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Float32 bits of ``a / b`` correctly rounded (IEEE 754 division, round half to even), for
-    the bits (uint32, broadcast together) of finite ``a >= 0`` and ``b >= 0``, or ``b`` given
-    as ``_divisor(b)``. ``b = 0`` gives infinity, or NaN for ``0 / 0``; results past the
-    float32 range give infinity.
-
-    With significands ``ma``, ``mb`` in ``[2**23, 2**24)`` the quotient bits
-    ``Q = floor(ma * 2**25 / mb)`` (in ``(2**24, 2**26)``: 25 or 26 bits, enough for the 24 kept and
-    the rounding bit) are estimated as ``floor(ma * R / 2**23)`` with ``R = floor((2**48 - 1) / mb)``
-    (``_reciprocal``), the 49-bit product taken in 12-bit pieces. ``R`` is at most one below
-    ``2**48 / mb``, so the estimate is ``Q``, ``Q - 1`` or ``Q - 2``; the remainder
-    ``ma * 2**25 - estimate * mb`` is then below ``3 * mb < 2**26``, exact in uint32 arithmetic
-    modulo 2**32, and two compare-and-subtract steps make the estimate ``Q`` and the remainder
-    smaller than ``mb``; the remainder being nonzero is the sticky bit of the rounding."""
-    b, reciprocal = b if isinstance(b, tuple) else _divisor(b)
-    mb, eb = _unpack(b)
-    r_hi, r_lo = _split12(reciprocal)  # r_hi < 2**13
-    ma, ea = _unpack(a)
-    a_hi, a_lo = _split12(ma)
-    low = a_lo * r_lo  # < 2**24
-    middle = a_hi * r_lo + a_lo * r_hi + (low >> 12)  # < 2**26
-    q = ((a_hi * r_hi) << 1) + (middle >> 11)  # floor(ma * R / 2**23)
-    remainder = (ma << 25) - q * mb
-    for _ in range(2):
-        over = remainder >= mb
-        q = q + over.astype(jnp.uint32)
-        remainder = jnp.where(over, remainder - mb, remainder)
-    top = 24 + (q >> 25).astype(jnp.int32)
-    bits = _round_and_pack(q, top, top + ea - eb + 102, remainder != 0)
-    bits = jnp.where(a == 0, _u32(0), bits)
-    return jnp.where(b == 0, jnp.where(a == 0, _u32(_F32_NAN_BITS), _u32(_F32_INF_BITS)), bits)
-
-
-def _signed(op, a: jax.Array, b: jax.Array) -> jax.Array:
-    a_bits, b_bits = _f32_bits(jnp.asarray(a, jnp.float32)), _f32_bits(jnp.asarray(b, jnp.float32))
-    magnitude = _u32(0x7FFFFFFF)
-    bits = op(a_bits & magnitude, b_bits & magnitude)
-    return _bits_f32(bits | ((a_bits ^ b_bits) & _u32(0x80000000)))
-
-
-def _divide_f32_exact(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a / b`` for finite float32 ``a``, ``b`` (broadcast together), IEEE 754 (round half to
-    even, subnormals kept; ``x / 0`` is a signed infinity, ``0 / 0`` NaN) with the same bits on
-    every backend: integer arithmetic on the bits, no float division."""
-    return _signed(_divide_bits, a, b)
-
-
-def _multiply_f32_exact(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a * b`` for finite float32 ``a``, ``b``, IEEE 754 (round half to even, subnormals kept),
-    by integer arithmetic on the bits: no flush to zero, no contraction into a fused multiply-add."""
-    return _signed(_multiply_bits, a, b)
-
-
 def _round_to_e4m3(ratio: jax.Array) -> jax.Array:
     """float32 values in ``[2**-9, 448]`` rounded half to even to E4M3's grid, as float32.
 
@@ -414,7 +243,8 @@ def _materialized(x):
     """``x`` (a pytree of arrays), unchanged, behind an optimization barrier: XLA computes it once
     and stores it instead of fusing its computation into every consumer. Used for what is
     computed per block or per matrix and then read by many elements (fused, XLA repeats the
-    24-step reciprocal and the per-block arithmetic before it for each element), and for the
+    24-step reciprocal of :func:`moe_jax.exact_float32.divisor` and the per-block arithmetic
+    before it for each element), and for the
     codes before packing. For [4, 2048, 7168] float32 on two CPU cores: 0.10 s with the five
     barriers of :func:`_quantize`, 3.1 s with none, 0.25 s with only the one on the codes."""
     return jax.lax.optimization_barrier(x)
@@ -426,34 +256,34 @@ def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tenso
     ``global_scale`` (float32 ``[...]``, finite, > 0) when given: then a block whose amax exceeds
     ``6 * 448 * global_scale`` gets the clamped scale 448 and its codes saturate at +-6."""
     # Everything on float32 bits (uint32): maxima of magnitudes are integer maxima, the three
-    # quotients and two products are _divide_bits and _multiply_bits, the E2M1 thresholds are
+    # quotients and two products are divide_bits and multiply_bits, the E2M1 thresholds are
     # integer comparisons.
     # The only float arithmetic is _round_to_e4m3's, exact and on normal numbers.
-    bits = _as_float32_bits(w)
+    bits = as_float32_bits(w)
     *lead, n, k = w.shape
-    magnitude = (bits & _u32(0x7FFFFFFF)).reshape(*lead, n, k // BLOCK, BLOCK)
+    magnitude = (bits & u32(0x7FFFFFFF)).reshape(*lead, n, k // BLOCK, BLOCK)
     negative = (bits >> 31).reshape(*lead, n, k // BLOCK, BLOCK)
     block_amax = _materialized(jnp.max(magnitude, axis=-1))
     if global_scale is None:
         amax = jnp.max(block_amax, axis=(-2, -1))
-        global_bits = _divide_bits(amax, _f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
+        global_bits = divide_bits(amax, f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
     else:
-        global_bits = _f32_bits(global_scale)
-    six_global = _multiply_bits(global_bits, _f32_bits(jnp.float32(E2M1_MAX)))
-    ratio = _divide_bits(block_amax, _materialized(_divisor(six_global[..., None, None])))
+        global_bits = f32_bits(global_scale)
+    six_global = multiply_bits(global_bits, f32_bits(jnp.float32(E2M1_MAX)))
+    ratio = divide_bits(block_amax, _materialized(divisor(six_global[..., None, None])))
     # A zero matrix makes ratio 0/0; ModelOpt leaves that NaN, which would poison the scale.
-    ratio = jnp.where((ratio == 0) | (ratio > _F32_INF_BITS), _f32_bits(jnp.float32(1.0)), ratio)
+    ratio = jnp.where((ratio == 0) | (ratio > INF_BITS), f32_bits(jnp.float32(1.0)), ratio)
     # ModelOpt >= 0.45 clamps to E4M3's range, so a tiny block keeps the smallest subnormal
     # scale (2**-9) and real codes rather than rounding to scale 0. (The bits of non-negative
     # floats are ordered as the floats are.)
-    ratio = jnp.clip(ratio, _f32_bits(jnp.float32(E4M3_MIN_SUBNORMAL)), _f32_bits(jnp.float32(E4M3_MAX)))
-    block_scale = _round_to_e4m3(_bits_f32(ratio))  # float32, exactly the stored E4M3 value
-    denominator = _multiply_bits(_f32_bits(block_scale), global_bits[..., None, None])
+    ratio = jnp.clip(ratio, f32_bits(jnp.float32(E4M3_MIN_SUBNORMAL)), f32_bits(jnp.float32(E4M3_MAX)))
+    block_scale = _round_to_e4m3(bits_f32(ratio))  # float32, exactly the stored E4M3 value
+    denominator = multiply_bits(f32_bits(block_scale), global_bits[..., None, None])
     block_scale, denominator = _materialized((block_scale, denominator))
-    scaled = _divide_bits(magnitude, _materialized(_divisor(denominator[..., None])))
+    scaled = divide_bits(magnitude, _materialized(divisor(denominator[..., None])))
     # In an all-zero matrix (global scale 0) every element is 0/0; ModelOpt encodes that NaN
     # as code 7, which reads as 6 * scale if the global scale is ever replaced. Zero is code 0.
-    scaled = jnp.where(magnitude == 0, _u32(0), scaled)
+    scaled = jnp.where(magnitude == 0, u32(0), scaled)
     # ModelOpt's sign is scaled < 0: a negative element whose quotient rounds to zero is +0.
     codes = _e2m1_magnitude_code(scaled) | ((negative & (scaled != 0)).astype(jnp.uint8) << 3)
     # Materialized before packing: fused with pack_codes' strided pairs, XLA:CPU's loop over the
@@ -462,7 +292,7 @@ def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tenso
     return NVFP4Tensor(
         packed=pack_codes(codes.reshape(*lead, n, k)),
         scales=block_scale.astype(jnp.float8_e4m3fn),
-        global_scale=_bits_f32(global_bits),
+        global_scale=bits_f32(global_bits),
     )
 
 

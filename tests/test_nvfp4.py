@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moe_jax import nvfp4
+from moe_jax import exact_float32, nvfp4
 
 # The published E2M1 table: codes 0..7 are these magnitudes, bit 3 is the sign.
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -538,12 +538,12 @@ def division_cases(rng):
 
 
 def test_divide_f32_exact_is_ieee_division(rng):
-    """``_divide_f32_exact`` (integer arithmetic on the bits) against numpy's float32 division,
+    """``exact_float32.divide`` (integer arithmetic on the bits) against numpy's float32 division,
     which is IEEE 754's (round half to even, subnormals kept), bit for bit: every finite exponent
     (overflow to inf, subnormal and zero results), the quantizer's ranges, quotients within
     2**-44 (relative) of a rounding midpoint, exact quotients, E2M1 boundaries, subnormal
     operands and exact subnormal ties, and division by zero (inf, or NaN for 0/0)."""
-    divide = jax.jit(nvfp4._divide_f32_exact)
+    divide = jax.jit(exact_float32.divide)
     for name, a, b in division_cases(rng):
         with np.errstate(all="ignore"):
             want = a / b
@@ -553,12 +553,12 @@ def test_divide_f32_exact_is_ieee_division(rng):
             raise AssertionError(f"{name}: {e}") from None
     # A scalar denominator broadcasts (the global scale's 2688).
     a = any_finite(rng, 1 << 16)
-    assert_same_float_bits(jax.jit(lambda x: nvfp4._divide_f32_exact(x, jnp.float32(2688.0)))(a),
+    assert_same_float_bits(jax.jit(lambda x: exact_float32.divide(x, jnp.float32(2688.0)))(a),
                            a / np.float32(2688.0), a)
 
 
 def test_multiply_f32_exact_is_ieee_multiplication(rng):
-    """``_multiply_f32_exact`` against numpy's float32 product bit for bit: every finite exponent,
+    """``exact_float32.multiply`` against numpy's float32 product bit for bit: every finite exponent,
     the quantizer's products (6 * global scale, E4M3 value * global scale), exact ties (12- and
     13-bit significands) and subnormal results."""
     n = 1 << 20
@@ -575,7 +575,7 @@ def test_multiply_f32_exact_is_ieee_multiplication(rng):
         ("subnormal results", f32(0, rng.integers(1, 100, n), rng.integers(0, 1 << 23, n)),
          f32(0, rng.integers(1, 60, n), rng.integers(0, 1 << 23, n))),
     ]
-    multiply = jax.jit(nvfp4._multiply_f32_exact)
+    multiply = jax.jit(exact_float32.multiply)
     for name, a, b in cases:
         with np.errstate(all="ignore"):
             want = a * b

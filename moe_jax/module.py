@@ -51,8 +51,9 @@ class InputScale(nnx.Variable):
 def _sharding(spec: P | None) -> dict:
     """A variable's sharding metadata: ``spec`` as ``out_sharding`` (nothing without a mesh).
 
-    Eager sharding is off: :func:`shard_params` has placed the array already (and checked
-    it), where Flax's would place it again and need a global mesh to do so.
+    Flax's eager sharding is off: the array is where :func:`shard_params` put it (and checked
+    it), or, for an ``AbstractMesh``, nowhere yet; Flax would place it again, from a global mesh.
+    An ``nnx.Optimizer``'s state copies the metadata, so it too says where its arrays go.
     """
     return {} if spec is None else {"out_sharding": tuple(spec), "eager_sharding": False}
 
@@ -96,8 +97,9 @@ class MoE(nnx.Module):
       rngs: initializes random parameters (ignored when ``params`` is given).
       mesh: a mesh with ``config.expert_axis`` for expert parallelism (the parameters are
         placed on it with :func:`moe_jax.shard_params`, an ``AbstractMesh`` places nothing),
-        or None for one device. With a mesh every variable records its ``PartitionSpec`` as
-        ``out_sharding`` metadata (see the module docstring); without, none.
+        or one device as :func:`moe_jax.resolve` takes it (None: ``jax.devices()[0]``). With a
+        mesh every variable records its ``PartitionSpec`` as ``out_sharding`` metadata (see the
+        module docstring); without, none.
       training: resolve for training (only implementations with a VJP qualify).
       params: existing parameters in :func:`moe_jax.init_params`' layout, e.g. from a checkpoint.
     """
@@ -117,7 +119,7 @@ class MoE(nnx.Module):
         check_params(params, config)
         if isinstance(mesh, Mesh):
             params = shard_params(params, self.plan)  # each device holds its experts only
-        specs = param_specs(params, self.plan) if mesh is not None else None
+        specs = param_specs(params, self.plan) if self.plan.mesh is not None else None
 
         def spec(group, name):
             return None if specs is None else specs[group][name]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from moe_jax import MoE, MoEConfig, resolve, shard_params
-from moe_jax.layer import param_template
+from moe_jax.layer import param_specs, param_template
 
 E, H, F, S = 8, 64, 32, 32
 
@@ -79,6 +79,8 @@ def test_the_metadata_specs_are_those_shard_params_places(weight_format, shared,
     # Without a mesh the layer is on one device: no metadata, every array replicated.
     single = MoE(config, rngs=nnx.Rngs(0), params=params)
     assert all(s == P() for s in jax.tree.leaves(metadata_specs(single)))
+    with pytest.raises(ValueError, match=r"^plan: a plan with mesh None, expected a Plan resolved for a mesh"):
+        param_specs(params, single.plan)
 
 
 def restore(path, config, mesh) -> MoE:

@@ -28,10 +28,12 @@ def random_params(config: MoEConfig, rng) -> dict:
     for seconds)."""
 
     def draw(s):
-        if s.dtype == np.uint8:
+        if s.dtype == np.uint8:  # two E2M1 codes a byte: every byte is valid
             return rng.integers(0, 256, s.shape)
-        if s.dtype == jnp.float8_e4m3fn or s.ndim < 2:  # block scales; global scales and the selection bias
-            return rng.uniform(0.5, 2.0, s.shape) * (1.0 if s.ndim >= 2 else 0.1)
+        if s.dtype == jnp.float8_e4m3fn:  # block scales
+            return rng.uniform(0.5, 2.0, s.shape)
+        if s.ndim < 2:  # global scales, the selection bias
+            return rng.uniform(0.05, 0.2, s.shape)
         return rng.standard_normal(s.shape) / np.sqrt(s.shape[-1])
 
     return jax.tree.map(lambda s: jnp.asarray(draw(s).astype(s.dtype)), param_template(config))

@@ -25,7 +25,7 @@ from typing import assert_never
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_jax import nvfp4, router
@@ -425,7 +425,7 @@ def param_logical_axes(params: Params) -> dict:
     return {group: {name: table[group][name] for name in leaves} for group, leaves in params.items()}
 
 
-def _layer_rules(plan: Plan, mesh: Mesh) -> dict:
+def _layer_rules(plan: Plan, mesh: Mesh | AbstractMesh) -> dict:
     """Experts over the expert axis; tokens over every mesh axis (the expert axis doubles as
     a data axis); no tensor parallelism (the layer does not split the intermediate)."""
     return expert_parallel_rules(mesh, expert_axis=plan.config.expert_axis)
@@ -438,12 +438,25 @@ def _plan_mesh(plan: Plan) -> Mesh:
     return plan.mesh
 
 
+def param_specs(params: Params, plan: Plan) -> dict:
+    """The ``PartitionSpec`` of every parameter array under ``plan``'s mesh (a ``Mesh`` or an
+    ``AbstractMesh``), in ``params``' layout: what :func:`shard_params` places, and what
+    :class:`moe_jax.MoE` records as each variable's sharding metadata.
+
+    Raises:
+      ValueError: ``plan`` has no mesh, or an expert count the expert axis does not divide.
+    """
+    if not isinstance(plan, Plan) or not isinstance(plan.mesh, (Mesh, AbstractMesh)):
+        found = type(plan).__name__ if not isinstance(plan, Plan) else f"a plan with mesh {plan.mesh!r}"
+        raise ValueError(f"plan: {found}, expected a Plan resolved for a mesh (moe_jax.resolve(config, mesh))")
+    return tree_specs(params, param_logical_axes(params), _layer_rules(plan, plan.mesh), plan.mesh)
+
+
 def param_shardings(params: Params, plan: Plan) -> dict:
     """The ``NamedSharding`` of every parameter array under ``plan``'s mesh (for ``jax.jit``'s
     ``in_shardings``, or ``jax.device_put``)."""
     mesh = _plan_mesh(plan)
-    specs = tree_specs(params, param_logical_axes(params), _layer_rules(plan, mesh), mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, plan))
 
 
 def shard_params(params: Params, plan: Plan) -> Params:

@@ -2,6 +2,14 @@
 
 Resolution happens in ``__init__`` (once, before any tracing); the plan is a static
 attribute, so ``nnx.jit`` compiles exactly the implementations the report names.
+
+Built for a mesh, every variable carries its ``PartitionSpec`` as NNX sharding metadata
+(``out_sharding``, the key ``nnx.with_partitioning`` sets), taken from
+:func:`moe_jax.layer.param_specs`, the same table :func:`moe_jax.shard_params` places by. So
+``nnx.get_partition_spec(nnx.state(layer))`` gives each array's spec, and
+``nnx.get_abstract_model`` an abstract state that orbax restores onto another mesh (README). An
+NVFP4 projection is an :class:`NVFP4Weight` node of three variables (codes, block scales, global
+scales), so that each array has its own spec: the global scales ``[E]`` shard as the experts do.
 """
 
 from __future__ import annotations
@@ -12,17 +20,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax import router
 from moe_jax.config import MoEConfig
-from moe_jax.layer import Params, check_params, init_params, moe_forward, shard_params
+from moe_jax.layer import Params, check_params, init_params, moe_forward, param_specs, shard_params
 from moe_jax.nvfp4 import NVFP4Tensor
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
 
 
 class QuantizedWeight(nnx.Variable):
-    """An NVFP4 projection: stored, used, never differentiated (it is not an ``nnx.Param``)."""
+    """One array of an NVFP4 projection (codes, block scales or global scales): stored, used,
+    never differentiated (it is not an ``nnx.Param``)."""
 
 
 class CorrectionBias(nnx.Variable):
@@ -38,8 +48,37 @@ class InputScale(nnx.Variable):
     float32 ``[E]`` or ``[]``: read by W4A4 (``MoEConfig.activation_scale``), never trained."""
 
 
-def _variable(w):
-    return QuantizedWeight(w) if isinstance(w, NVFP4Tensor) else nnx.Param(w)
+def _sharding(spec: P | None) -> dict:
+    """A variable's sharding metadata: ``spec`` as ``out_sharding`` (nothing without a mesh).
+
+    Flax's eager sharding is off: the array is where :func:`shard_params` put it (and checked
+    it), or, for an ``AbstractMesh``, nowhere yet; Flax would place it again, from a global mesh.
+    An ``nnx.Optimizer``'s state copies the metadata, so it too says where its arrays go.
+    """
+    return {} if spec is None else {"out_sharding": tuple(spec), "eager_sharding": False}
+
+
+class NVFP4Weight(nnx.Pytree):
+    """An NVFP4 projection as three :class:`QuantizedWeight` variables, one per array of its
+    :class:`~moe_jax.nvfp4.NVFP4Tensor` (``packed``, ``scales``, ``global_scale``), each with
+    its own sharding metadata (``specs``: an ``NVFP4Tensor`` of ``PartitionSpec`` s, or None)."""
+
+    def __init__(self, w: NVFP4Tensor, specs: NVFP4Tensor | None):
+        def spec(field):
+            return None if specs is None else getattr(specs, field)
+
+        self.packed = QuantizedWeight(w.packed, **_sharding(spec("packed")))
+        self.scales = QuantizedWeight(w.scales, **_sharding(spec("scales")))
+        self.global_scale = QuantizedWeight(w.global_scale, **_sharding(spec("global_scale")))
+
+    def get_value(self) -> NVFP4Tensor:
+        """The projection as the ``NVFP4Tensor`` :func:`moe_forward` takes."""
+        return NVFP4Tensor(packed=self.packed.get_value(), scales=self.scales.get_value(),
+                           global_scale=self.global_scale.get_value())
+
+
+def _variable(w, spec):
+    return NVFP4Weight(w, spec) if isinstance(w, NVFP4Tensor) else nnx.Param(w, **_sharding(spec))
 
 
 class MoE(nnx.Module):
@@ -47,7 +86,8 @@ class MoE(nnx.Module):
 
     ``__call__(x [..., H]) -> (y [..., H], stats)``; ``stats`` as in :func:`moe_forward`.
     bf16 weights and the router weights are ``nnx.Param`` (trainable); NVFP4 weights are
-    :class:`QuantizedWeight` variables, so ``nnx.grad`` over ``nnx.Param`` skips them. With
+    :class:`NVFP4Weight` nodes of :class:`QuantizedWeight` variables, so ``nnx.grad`` over
+    ``nnx.Param`` skips them. With
     ``config.router_bias`` the selection bias is a :class:`CorrectionBias` variable, balanced
     by :meth:`update_load_balance` after each step (auxiliary-loss-free, as DeepSeek-V3). A
     checkpoint's ``params["input_scales"]`` are kept as :class:`InputScale` variables.
@@ -56,7 +96,10 @@ class MoE(nnx.Module):
       config: the layer.
       rngs: initializes random parameters (ignored when ``params`` is given).
       mesh: a mesh with ``config.expert_axis`` for expert parallelism (the parameters are
-        placed on it with :func:`moe_jax.shard_params`), or None for one device.
+        placed on it with :func:`moe_jax.shard_params`, an ``AbstractMesh`` places nothing),
+        or one device as :func:`moe_jax.resolve` takes it (None: ``jax.devices()[0]``). With a
+        mesh every variable records its ``PartitionSpec`` as ``out_sharding`` metadata (see the
+        module docstring); without, none.
       training: resolve for training (only implementations with a VJP qualify).
       params: existing parameters in :func:`moe_jax.init_params`' layout, e.g. from a checkpoint.
     """
@@ -76,17 +119,24 @@ class MoE(nnx.Module):
         check_params(params, config)
         if isinstance(mesh, Mesh):
             params = shard_params(params, self.plan)  # each device holds its experts only
-        self.router_w_eh = nnx.Param(params["router"]["w_eh"])
+        specs = param_specs(params, self.plan) if self.plan.mesh is not None else None
+
+        def spec(group, name):
+            return None if specs is None else specs[group][name]
+
+        self.router_w_eh = nnx.Param(params["router"]["w_eh"], **_sharding(spec("router", "w_eh")))
         # float32 whatever a checkpoint stored: the update rule returns float32, and a variable
         # whose dtype changed after the first step would make nnx.jit compile a second time.
-        self.router_bias_e = (CorrectionBias(params["router"]["bias_e"].astype(jnp.float32))
+        self.router_bias_e = (CorrectionBias(params["router"]["bias_e"].astype(jnp.float32),
+                                             **_sharding(spec("router", "bias_e")))
                               if config.router_bias else None)
-        self.w_gate_up_egh = _variable(params["experts"]["w_gate_up_egh"])
-        self.w_down_ehf = _variable(params["experts"]["w_down_ehf"])
+        self.w_gate_up_egh = _variable(params["experts"]["w_gate_up_egh"], spec("experts", "w_gate_up_egh"))
+        self.w_down_ehf = _variable(params["experts"]["w_down_ehf"], spec("experts", "w_down_ehf"))
         shared = params.get("shared")
-        self.shared_w_gate_up_gh = _variable(shared["w_gate_up_gh"]) if shared else None
-        self.shared_w_down_hs = _variable(shared["w_down_hs"]) if shared else None
-        self.input_scales = (nnx.Dict({name: InputScale(v) for name, v in params["input_scales"].items()})
+        self.shared_w_gate_up_gh = _variable(shared["w_gate_up_gh"], spec("shared", "w_gate_up_gh")) if shared else None
+        self.shared_w_down_hs = _variable(shared["w_down_hs"], spec("shared", "w_down_hs")) if shared else None
+        self.input_scales = (nnx.Dict({name: InputScale(v, **_sharding(spec("input_scales", name)))
+                                       for name, v in params["input_scales"].items()})
                              if "input_scales" in params else None)
 
     @property

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 #: Logical axis names of the MoE layer.
@@ -71,7 +71,9 @@ def make_mesh(
     return jax.make_mesh(tuple(shape), tuple(names), devices=devices)
 
 
-def expert_parallel_rules(mesh: Mesh, *, expert_axis: str = "expert", tensor_axis: str | None = None) -> dict[str, MeshAxes]:
+def expert_parallel_rules(
+    mesh: Mesh | AbstractMesh, *, expert_axis: str = "expert", tensor_axis: str | None = None
+) -> dict[str, MeshAxes]:
     """The usual EP rules for ``mesh``.
 
     Experts over ``expert_axis``; the expert intermediate dimension over ``tensor_axis``
@@ -101,7 +103,9 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
-def logical_to_spec(logical: LogicalAxes, shape: Sequence[int], rules: Rules, mesh: Mesh, *, name: str = "array") -> P:
+def logical_to_spec(
+    logical: LogicalAxes, shape: Sequence[int], rules: Rules, mesh: Mesh | AbstractMesh, *, name: str = "array"
+) -> P:
     """The ``PartitionSpec`` of an array of ``shape`` annotated ``logical``.
 
     Only the first ``len(shape)`` entries of ``logical`` apply; dimensions past the
@@ -140,7 +144,7 @@ def _is_annotation(node) -> bool:
     return isinstance(node, tuple) and all(a is None or isinstance(a, str) for a in node)
 
 
-def tree_specs(tree, logical_tree, rules: Rules, mesh: Mesh):
+def tree_specs(tree, logical_tree, rules: Rules, mesh: Mesh | AbstractMesh):
     """The ``PartitionSpec`` of every array leaf of ``tree`` (same structure as ``tree``).
 
     ``logical_tree`` has ``tree``'s structure down to the annotations (tuples), each of
@@ -164,12 +168,14 @@ def tree_specs(tree, logical_tree, rules: Rules, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(per_subtree, logical_tree, tree, is_leaf=_is_annotation)
 
 
-def shard_tree(tree, logical_tree, rules: Rules, mesh: Mesh):
+def shard_tree(tree, logical_tree, rules: Rules, mesh: Mesh | AbstractMesh):
     """Places every leaf of ``tree`` with the ``NamedSharding`` its annotation declares.
 
     Works on any pytree (dicts, registered dataclasses such as quantized weights) whose
     leaves are arrays; host arrays are copied to the mesh, device arrays resharded. Every
-    returned leaf is checked to carry exactly the declared sharding.
+    returned array is checked to carry exactly the declared sharding. Traced leaves (under
+    ``jax.jit`` or ``jax.eval_shape``, e.g. building an abstract model) are not placed yet:
+    the traced program carries the sharding, and there is nothing to check.
 
     Raises:
       ValueError: an invalid annotation (see :func:`logical_to_spec`), or a leaf that did
@@ -180,6 +186,8 @@ def shard_tree(tree, logical_tree, rules: Rules, mesh: Mesh):
     placed = jax.device_put(tree, shardings)
 
     def check(path, leaf, sharding):
+        if isinstance(leaf, jax.core.Tracer):
+            return leaf
         if not (isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)):
             found = getattr(leaf, "sharding", type(leaf).__name__)
             raise ValueError(f"{jax.tree_util.keystr(path)}: placed as {found}, declared {sharding}")

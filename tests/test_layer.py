@@ -174,7 +174,7 @@ def test_nnx_module_jit_and_grad(rng):
 def test_nnx_module_with_nvfp4_weights_keeps_them_out_of_the_gradient(rng):
     config = dataclasses.replace(CONFIGS["kimi"], weight_format="nvfp4")
     layer = moe_jax.MoE(config, rngs=nnx.Rngs(0), training=True)
-    assert isinstance(layer.w_gate_up_egh, moe_jax.module.QuantizedWeight)
+    assert isinstance(layer.w_gate_up_egh.packed, moe_jax.module.QuantizedWeight)
     x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
     grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32)))(layer, x)
     names = {str(path[0]) for path, _ in nnx.to_flat_state(nnx.state(grads, nnx.Param))}

@@ -431,6 +431,13 @@ def _layer_rules(plan: Plan, mesh: Mesh | AbstractMesh) -> dict:
     return expert_parallel_rules(mesh, expert_axis=plan.config.expert_axis)
 
 
+def mesh_param_specs(params: Params, mesh: Mesh | AbstractMesh, expert_axis: str) -> dict:
+    """The ``PartitionSpec`` of every array of ``params`` (arrays or ``ShapeDtypeStruct``s) on
+    ``mesh``, experts split over ``expert_axis``: the one place the parameters' axes become
+    specs (:func:`param_specs`, the layer's ``shard_map``, sharded checkpoint loading)."""
+    return tree_specs(params, param_logical_axes(params), expert_parallel_rules(mesh, expert_axis=expert_axis), mesh)
+
+
 def _plan_mesh(plan: Plan) -> Mesh:
     if not isinstance(plan, Plan) or not isinstance(plan.mesh, Mesh):
         found = type(plan).__name__ if not isinstance(plan, Plan) else f"a plan with mesh {plan.mesh!r}"
@@ -449,7 +456,7 @@ def param_specs(params: Params, plan: Plan) -> dict:
     if not isinstance(plan, Plan) or not isinstance(plan.mesh, (Mesh, AbstractMesh)):
         found = type(plan).__name__ if not isinstance(plan, Plan) else f"a plan with mesh {plan.mesh!r}"
         raise ValueError(f"plan: {found}, expected a Plan resolved for a mesh (moe_jax.resolve(config, mesh))")
-    return tree_specs(params, param_logical_axes(params), _layer_rules(plan, plan.mesh), plan.mesh)
+    return mesh_param_specs(params, plan.mesh, plan.config.expert_axis)
 
 
 def param_shardings(params: Params, plan: Plan) -> dict:
@@ -544,13 +551,13 @@ def _sharded_forward(params: Params, x, plan: Plan, mesh: Mesh, num_valid):
     valid_t = jnp.arange(padded) < jnp.minimum(num_tokens, num_valid)
     x_th = jnp.pad(x_th, ((0, padded - num_tokens), (0, 0)))
     token_spec = logical_to_spec((TOKENS,), (padded,), rules, mesh, name="x")
-    param_specs = tree_specs(params, param_logical_axes(params), rules, mesh)
-    params, x_th, valid_t = _to_specs(mesh, (params, x_th, valid_t), (param_specs, token_spec, token_spec))
+    specs = mesh_param_specs(params, mesh, plan.config.expert_axis)
+    params, x_th, valid_t = _to_specs(mesh, (params, x_th, valid_t), (specs, token_spec, token_spec))
     body = functools.partial(_local_forward, plan=plan, axis_names=axes)
     y_th, stats = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(param_specs, token_spec, token_spec),
+        in_specs=(specs, token_spec, token_spec),
         out_specs=(token_spec, P()),
         check_vma=_check_vma(plan),
     )(params, x_th, valid_t)

@@ -25,8 +25,7 @@ from moe_jax.checkpoint.modelopt import (
 )
 from moe_jax.checkpoint.safetensors_io import Checkpoint, CheckpointError
 from moe_jax.config import HF_KEYS, MoEConfig, WeightFormat, hf_int, read_hf_config
-from moe_jax.layer import Params, check_params, param_logical_axes
-from sharding.mesh import expert_parallel_rules, tree_specs
+from moe_jax.layer import Params, check_params, mesh_param_specs
 
 
 def moe_layer_indices(config_json: dict | str | os.PathLike) -> range:
@@ -255,8 +254,7 @@ def _materialize(leaves, mesh: Mesh | None, config: MoEConfig, progress: bool, d
         if not isinstance(mesh, Mesh):
             raise CheckpointError(f"mesh: {type(mesh).__name__}, expected a jax.sharding.Mesh or None")
         abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), leaves, is_leaf=_is_leaf)
-        rules = expert_parallel_rules(mesh, expert_axis=config.expert_axis)
-        specs = tree_specs(abstract, param_logical_axes(abstract), rules, mesh)
+        specs = mesh_param_specs(abstract, mesh, config.expert_axis)
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
     def distinct_indices(leaf: _Leaf, sharding) -> dict[tuple, tuple[tuple, list]]:

@@ -43,8 +43,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import pallas_triton
+from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, pallas_triton
 from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul.expert_mlp import Backend
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
@@ -836,6 +837,45 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
+def _not_interpreted(interpret: bool) -> None:
+    if interpret:
+        raise ValueError("interpret: True, expected False (the Triton-language kernels have no interpret mode under "
+                         "JAX; Triton's own interpreter runs them in tests/interpreter)")
+
+
+def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16)
+
+
+def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
+
+
+def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                              interpret: bool) -> jax.Array:
+    """The fused gate/up + SwiGLU kernel, then the down projection, W4A16. The gate/up kernel
+    writes its output's columns in the order the down kernel reads them (:func:`permute_k`,
+    ``out_k_order``), which saves a pass over the intermediate activations between them."""
+    _not_interpreted(interpret)
+    n_w, _ = _check_weights(w_down, "w_down", Op.MATMUL, group_sizes_e.shape[0], 2 * w_down.packed.shape[-1]
+                            if _is_nvfp4(w_down) and w_down.packed.ndim == 3 else -1)
+    order = k_order(Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0],
+                    k=2 * w_down.packed.shape[-1], n_out=n_w, compute_capability=compute_capability)
+    a_mf = run(Op.GATE_UP_SWIGLU, x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability,
+               mode=Mode.W4A16, out_k_order=order)
+    return run(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16,
+               x_k_order=order)
+
+
+#: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
+#: NVFP4 weights): the weight gradient (of ``qat`` masters) is a dense product, the Pallas
+#: kernel's, the one there is.
+W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
+                        input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad)
+
+
 __all__ = ["INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
-           "InputGradSpec", "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec",
+           "InputGradSpec", "W4A16_BACKEND", "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec",
            "mode_for", "one_group_tile", "run"]

@@ -26,11 +26,11 @@ Arguments:
   pytree with ``.packed/.scales/.global_scale`` (such as ``moe_jax.nvfp4.NVFP4Tensor``; frozen:
   no weight gradient is computed, its cotangent is zero). An NVFP4 ``w_gate_up`` may carry gate's
   and up's own global scales (``.global_scale`` ``[E, 2]``): the fused forward applies each to
-  its half's accumulator; the plain matmul and the input gradient take the weight with one scale
-  of 1.0 per expert, and each row's two scales multiply the gate/up product's halves
-  (:func:`_per_half`) in float32, exactly.
+  its half's accumulator; the plain matmul and the input gradient take the weight with a global
+  scale of 1.0 per expert, and each row's two scales multiply, in float32, the halves of the kept
+  gate/up product and of the gate/up gradient before its input gradient (:func:`_per_half`).
 * ``backend``: a :class:`Backend`, the kernels of one family: ``pallas_kernels.grouped_matmul.PALLAS``
-  (bf16 or NVFP4 weights; Pallas interpret mode on CPU) or ``triton_lang.W4A16`` (the
+  (bf16 or NVFP4 weights; Pallas interpret mode on CPU) or ``triton_lang.W4A16_BACKEND`` (the
   Triton-language kernels, NVFP4 weights dequantized in registers, SM80-SM90; its weight
   gradient is the Pallas kernel's).
 * ``compute_capability``: picks the kernels' tiles; ``interpret``: Pallas interpret mode.
@@ -107,7 +107,7 @@ def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, comp
     """bf16 ``[M, H]``: the expert MLP of each row's expert, differentiable (see the module docstring)."""
     if not isinstance(backend, Backend):
         raise ValueError(f"backend: {type(backend).__name__}, expected a Backend (pallas_kernels.grouped_matmul.PALLAS "
-                         "or triton_lang.W4A16)")
+                         "or triton_lang.W4A16_BACKEND)")
     if quantize is not None:
         for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
             if _is_nvfp4(w):

@@ -575,24 +575,23 @@ def _check_group_sizes(group_sizes_e) -> int:
     return group_sizes_e.shape[0]
 
 
-def _is_nvfp4(w) -> bool:
-    return all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale"))
-
-
 def _check_weights(w, name: str, op: Op, num_experts: int, *, k: int | None = None, n: int | None = None,
                    rows_name: str = "x") -> tuple[int, int, int]:
     """Validates an NVFP4 weight ``[E, N, K]`` against the activations ``rows_name``, which fix
     its K (``k``: the forward multiplies by ``W_e^T``) or its N (``n``: the input gradient
     multiplies by ``W_e``); the other dimension is the weight's own. Returns ``(N, K, G)``, G the
     global scales per expert: 1, or 2 (gate's and up's) for the fused op."""
-    if not _is_nvfp4(w):
+    if not all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
         raise ValueError(f"{name}: {type(w).__name__}, expected an NVFP4 tensor (.packed, .scales, .global_scale); "
                          "the native kernels take NVFP4 weights only")
-    own_n, own_k = (w.packed.shape[1], 2 * w.packed.shape[2]) if w.packed.ndim == 3 else ("N", "K")
-    n_w, k_w = own_n if n is None else n, own_k if k is None else k
+    if w.packed.ndim != 3:
+        raise ValueError(f"{name}.packed: {w.packed.dtype}{list(w.packed.shape)}, expected uint8 [E={num_experts} "
+                         "(group_sizes_e), N, K/2]")
+    n_w = w.packed.shape[1] if n is None else n
+    k_w = 2 * w.packed.shape[2] if k is None else k
     fixed = "" if k is None and n is None else f", K={k} ({rows_name})" if n is None else f", N={n} ({rows_name})"
-    expected = {"packed": (np.uint8, (num_experts, n_w, k_w // 2 if k_w != "K" else "K/2")),
-                "scales": (_FLOAT8_E4M3FN, (num_experts, n_w, k_w // 16 if k_w != "K" else "K/16"))}
+    expected = {"packed": (np.uint8, (num_experts, n_w, k_w // 2)),
+                "scales": (_FLOAT8_E4M3FN, (num_experts, n_w, k_w // 16))}
     for field, (dtype, shape) in expected.items():
         a = getattr(w, field)
         if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:

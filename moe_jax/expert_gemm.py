@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, assert_never
+from typing import TYPE_CHECKING, assert_never
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.registry import Implementation, Registry, Target
+from pallas_kernels.grouped_matmul.expert_mlp import swiglu
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
@@ -46,12 +46,6 @@ def dense_weight(w, dtype) -> jax.Array:
     if isinstance(w, nvfp4.NVFP4Tensor):
         return nvfp4.dequantize(w, dtype)
     return w.astype(dtype)
-
-
-def swiglu(h_mg: jax.Array) -> jax.Array:
-    """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
-    gate, up = jnp.split(h_mg, 2, axis=-1)
-    return jax.nn.silu(gate) * up
 
 
 def _straight_through(master: jax.Array, dtype) -> jax.Array:
@@ -149,182 +143,31 @@ def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
 INTERPRET_CAPABILITY = 90
 
 
-def _kernel_args(plan: Plan) -> dict:
-    return dict(compute_capability=plan.target.compute_capability or INTERPRET_CAPABILITY,
-                interpret=plan.config.interpret)
+def _quantize(plan: Plan):
+    """Under ``qat`` the weights are float masters, which the kernels read as their NVFP4
+    quantization, made inside the trace every call (the straight-through gradient goes to the
+    masters: :func:`pallas_kernels.grouped_matmul.expert_mlp`); else None."""
+    return nvfp4.quantize if plan.config.qat else None
 
 
-def _kernel_weights(weights, plan: Plan) -> dict:
-    """The weights the kernels read: the parameters, or under ``qat`` the NVFP4 quantization of
-    the float masters, made inside the trace every call."""
-    if not plan.config.qat:
-        return weights
-    return {name: nvfp4.quantize(jax.lax.stop_gradient(w), name=name) if name in _PROJECTIONS else w
-            for name, w in weights.items()}
-
-
-class _Products(NamedTuple):
-    """The three grouped products a differentiable expert MLP is made of, for one kernel family.
-
-    ``matmul(x_mk, w, group_sizes_e, plan)``: bf16 ``[M, N]``, ``x @ W_e^T``;
-    ``input_grad(dy_mn, w, group_sizes_e, plan)``: bf16 ``[M, K]``, ``dy @ W_e`` (``w`` with one
-    global scale per expert); ``weight_grad(x_mk, dy_mn, group_sizes_e, plan, out_dtype)``:
-    ``[E, N, K]``, ``dy_e^T x_e``.
-    """
-
-    matmul: Callable
-    input_grad: Callable
-    weight_grad: Callable
-
-
-def _pallas_weight_grad(x_mk, dy_mn, group_sizes_e, plan: Plan, out_dtype):
-    return pallas_gmm.grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, out_dtype=out_dtype, **_kernel_args(plan))
-
-
-_PALLAS_PRODUCTS = _Products(
-    matmul=lambda x, w, g, plan: pallas_gmm.grouped_matmul(x, w, g, **_kernel_args(plan)),
-    input_grad=lambda dy, w, g, plan: pallas_gmm.grouped_matmul_input_grad(dy, w, g, **_kernel_args(plan)),
-    weight_grad=_pallas_weight_grad,
-)
-
-
-def _triton_lang():
-    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton, loaded on use)
-
-    return triton_lang
-
-
-# W4A16 (SM80-SM90). The weight gradient of float masters (qat) is a dense product: the Pallas
-# kernel's, the one there is.
-_TRITON_PRODUCTS = _Products(
-    matmul=lambda x, w, g, plan: _triton_lang().run(_triton_lang().Op.MATMUL, x, w, g, mode=_triton_lang().Mode.W4A16,
-                                               compute_capability=plan.target.compute_capability),
-    input_grad=lambda dy, w, g, plan: _triton_lang().input_grad(dy, w, g, compute_capability=plan.target.compute_capability),
-    weight_grad=_pallas_weight_grad,
-)
-
-
-def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
-    """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
-    last expert's, harmless: their values are never used)."""
-    # Unrolled, as the kernels' tile schedule: the default method is a device-side while loop.
-    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right",
-                                method="scan_unrolled")
-    return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
-
-
-def _one_scale_per_expert(w_gate_up, group_sizes_e, num_rows: int):
-    """``(w, half_scales_m2)``: the gate/up weight as the plain matmul and the input gradient
-    take it (one global scale per expert), and None, or, for gate and up with their own global
-    scales, the weight with 1.0 and each row's ``[gate, up]`` scales to multiply instead."""
-    if not (isinstance(w_gate_up, nvfp4.NVFP4Tensor) and w_gate_up.row_groups == 2):
-        return w_gate_up, None
-    ones = jnp.ones(w_gate_up.global_scale.shape[:1], jnp.float32)
-    return (nvfp4.NVFP4Tensor(packed=w_gate_up.packed, scales=w_gate_up.scales, global_scale=ones),
-            _row_half_scales(w_gate_up.global_scale, group_sizes_e, num_rows))
-
-
-def _per_half(h_mg, half_scales_m2):
-    """float32 ``h_mg`` with its gate and up halves times their rows' scales (None: as is)."""
-    h_mg = h_mg.astype(jnp.float32)
-    if half_scales_m2 is None:
-        return h_mg
-    gate, up = jnp.split(h_mg, 2, axis=-1)
-    return jnp.concatenate([gate * half_scales_m2[:, :1], up * half_scales_m2[:, 1:]], axis=-1)
-
-
-def _differentiable_fwd(products: _Products, x_mh, group_sizes_e, weights, plan: Plan):
-    """Under differentiation the gate/up product runs as the plain grouped matmul and is kept
-    (bf16 ``[M, 2F]``: one GEMM fewer than recomputing it, as torch's autograd keeps it too),
-    with SwiGLU in XLA."""
-    kernel_weights = _kernel_weights(weights, plan)
-    x_mh = x_mh.astype(jnp.bfloat16)
-    w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, x_mh.shape[0])
-    h_mg = products.matmul(x_mh, w_gate_up, group_sizes_e, plan)  # bf16, kept
-    a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
-    y_mh = products.matmul(a_mf, kernel_weights["w_down_ehf"], group_sizes_e, plan)
-    # Residuals must be arrays: an empty slice carries each trainable weight's dtype and, under
-    # shard_map, the mesh axes it varies over.
-    trainable = {name: None if isinstance(w, nvfp4.NVFP4Tensor) or name not in _PROJECTIONS else w.reshape(-1)[:0]
-                 for name, w in weights.items()}
-    return y_mh, (x_mh, group_sizes_e, kernel_weights, trainable, h_mg)
-
-
-def _differentiable_bwd(products: _Products, plan: Plan, residuals, dy_mh):
-    """The input gradient (``dy @ W_e``, NVFP4 dequantized in the kernel as in the forward, no
-    dequantized copy) and the weight gradient (``dy_e^T @ x_e`` per expert) of both projections.
-    Cotangents: ``x_mh`` gets its gradient (zero on padding rows); bf16 weights and ``qat``
-    masters get theirs (the masters through the straight-through estimator, see
-    :func:`_straight_through`); NVFP4 weights stored as such are frozen (zero cotangent, and no
-    weight gradient is computed), as is anything else in ``weights``."""
-    x_mh, group_sizes_e, kernel_weights, trainable, h_mg = residuals
-    dy_mh = dy_mh.astype(jnp.bfloat16)
-    num_rows = x_mh.shape[0]
-    w_gate_up, half_scales_m2 = _one_scale_per_expert(kernel_weights["w_gate_up_egh"], group_sizes_e, num_rows)
-    gate, up = jnp.split(_per_half(h_mg, half_scales_m2), 2, axis=-1)
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    a_mf = (silu * up).astype(jnp.bfloat16)  # the forward's bf16 SwiGLU output, recomputed
-
-    da_mf = products.input_grad(dy_mh, kernel_weights["w_down_ehf"], group_sizes_e, plan).astype(jnp.float32)
-    dh_mg = jnp.concatenate([da_mf * up * (sig * (1.0 + gate * (1.0 - sig))), da_mf * silu], axis=-1)
-    # The input gradient reads the weight with one scale per expert: the rows carry the halves'.
-    dx_mh = products.input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_gate_up, group_sizes_e, plan)
-    # Padding rows have no defined output, so no gradient: zero them rather than pass on
-    # whatever the kernels left there.
-    defined_m = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes_e, 0))
-    dx_mh = jnp.where(defined_m[:, None], dx_mh, 0)
-
-    def weight_grad(name, rows_mk, dy_mn):
-        if trainable[name] is None:
-            return None  # Frozen NVFP4 weights: nothing to compute.
-        dw = products.weight_grad(rows_mk, dy_mn, group_sizes_e, plan, trainable[name].dtype)
-        # Under shard_map the rows vary over every mesh axis and a weight over the expert axis
-        # only: its gradient is the sum of every device's rows' contributions along the others.
-        summed = jax.typeof(dw).manual_axis_type.varying - jax.typeof(trainable[name]).manual_axis_type.varying
-        return jax.lax.psum(dw, tuple(sorted(summed))) if summed else dw
-
-    dweights = {name: None for name in trainable}
-    dweights.update(w_gate_up_egh=weight_grad("w_gate_up_egh", x_mh, dh_mg.astype(jnp.bfloat16)),
-                    w_down_ehf=weight_grad("w_down_ehf", a_mf, dy_mh))
-    return dx_mh, None, dweights
-
-
-_PROJECTIONS = ("w_gate_up_egh", "w_down_ehf")
-
-
-def _differentiable(forward, products: _Products):
-    """``forward`` (the inference path) with :func:`_differentiable_fwd` and
-    :func:`_differentiable_bwd` over ``products`` as its ``jax.custom_vjp``."""
-    f = jax.custom_vjp(forward, nondiff_argnums=(3,))
-    f.defvjp(functools.partial(_differentiable_fwd, products), functools.partial(_differentiable_bwd, products))
-    return f
-
-
-def _pallas_forward(x_mh, group_sizes_e, weights, plan: Plan):
-    """The Pallas kernels: fused gate/up + SwiGLU, then the down projection.
+def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
+    """The Pallas kernels (:func:`pallas_kernels.grouped_matmul.expert_mlp`, backend
+    ``PALLAS``): fused gate/up + SwiGLU, then the down projection.
 
     NVFP4 weights are read in ModelOpt's layout and dequantized in the kernel; the
     ``[M, 2F]`` gate/up product never reaches memory. Rows past ``sum(group_sizes_e)`` are
-    left unwritten (unspecified), as the stage contract allows.
+    left unwritten (unspecified), as the stage contract allows. The kernels take bf16
+    activations (W4A16): activation scales are not theirs to read.
 
-    Differentiable (``jax.custom_vjp``): the backward pass runs the two kernels a backward pass
-    needs, the input gradient and the weight gradient (:func:`_differentiable_bwd`).
+    Differentiable (the op's ``jax.custom_vjp``): the backward pass runs the input-gradient and
+    the weight-gradient kernels; bf16 weights and ``qat`` masters (through the straight-through
+    estimator, see :func:`_straight_through`) get their gradients, NVFP4 weights stored as such
+    are frozen.
     """
-    kernel_args = _kernel_args(plan)
-    weights = _kernel_weights(weights, plan)
-    a_mf = pallas_gmm.gate_up_swiglu(x_mh.astype(jnp.bfloat16), weights["w_gate_up_egh"], group_sizes_e,
-                                     **kernel_args)
-    return pallas_gmm.grouped_matmul(a_mf, weights["w_down_ehf"], group_sizes_e, **kernel_args)
-
-
-pallas_expert_gemm = _differentiable(_pallas_forward, _PALLAS_PRODUCTS)
-
-
-def _pallas_run(x_mh, group_sizes_e, weights, plan: Plan):
-    """:func:`pallas_expert_gemm` on the projections: its kernels take bf16 activations (W4A16),
-    so activation scales are not theirs to read."""
-    return pallas_expert_gemm(x_mh, group_sizes_e, {name: weights[name] for name in _PROJECTIONS}, plan)
+    return pallas_gmm.expert_mlp(
+        x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"], backend=pallas_gmm.PALLAS,
+        compute_capability=plan.target.compute_capability or INTERPRET_CAPABILITY, interpret=plan.config.interpret,
+        quantize=_quantize(plan))
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -344,61 +187,46 @@ def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
     return None
 
 
-def _triton_forward(x_mh, group_sizes_e, weights, plan: Plan):
+def _triton_lang():
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton, loaded on use)
+
+    return triton_lang
+
+
+def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.triton_lang``, through
     jax-triton): fused gate/up + SwiGLU, then the down projection.
 
-    On SM100/SM120 (W4A4) each kernel's activations are quantized to NVFP4 just before it, one
-    global scale per row (:func:`moe_jax.nvfp4.quantize_rows`): the checkpoint's static
-    ``input_scale`` of the row's expert where ``weights`` carry them (``config.activation_scale``;
-    the fused gate/up takes the larger of gate's and up's), else the row's own amax, computed on
-    the fly (a token's rounding depends on that token alone, and never saturates). Then the FP4
-    tensor cores multiply. Below SM100 (W4A16) the weights are dequantized in registers and bf16
-    tensor cores multiply.
+    Below SM100 (W4A16) the weights are dequantized in registers and bf16 tensor cores multiply:
+    :func:`pallas_kernels.grouped_matmul.expert_mlp` with backend ``triton_lang.W4A16_BACKEND``,
+    differentiable (the native input-gradient kernel for ``x``, frozen NVFP4 weights; under
+    ``qat`` the weight gradient of the float masters, through the Pallas kernel).
 
-    Differentiable on W4A16 (``jax.custom_vjp``, :func:`_differentiable_bwd`): the native
-    input-gradient kernel for ``x`` (frozen NVFP4 weights), and under ``qat`` the weight
-    gradient of the float masters.
+    On SM100/SM120 (W4A4, inference only) each kernel's activations are quantized to NVFP4 just
+    before it, one global scale per row (:func:`moe_jax.nvfp4.quantize_rows`): the checkpoint's
+    static ``input_scale`` of the row's expert where ``weights`` carry them
+    (``config.activation_scale``; the fused gate/up takes the larger of gate's and up's), else the
+    row's own amax, computed on the fly (a token's rounding depends on that token alone, and never
+    saturates). Then the FP4 tensor cores multiply.
     """
     triton_lang = _triton_lang()
     cc = plan.target.compute_capability
-    mode = triton_lang.mode_for(cc)
-    weights = _kernel_weights(weights, plan)
-    gate_up_scale_e, down_scale_e = _static_scales(weights)
-
-    def rows(a_mk, input_scale_e):
-        match mode:
-            case triton_lang.Mode.W4A16:
-                return a_mk.astype(jnp.bfloat16)
-            case triton_lang.Mode.W4A4:
-                return triton_lang.NVFP4Rows(*_nvfp4_rows(a_mk, input_scale_e, group_sizes_e))
-            case _:
-                assert_never(mode)
-
-    # W4A16: the gate/up kernel writes its output's columns in the order the down kernel reads
-    # them (triton_lang.permute_k), which saves a pass over the intermediate activations between them.
-    order = 0
-    if mode is triton_lang.Mode.W4A16:
-        w_down = weights["w_down_ehf"]
-        order = triton_lang.k_order(triton_lang.Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0],
-                               k=2 * w_down.packed.shape[-1], n_out=w_down.packed.shape[-2], compute_capability=cc)
-    a_mf = triton_lang.run(triton_lang.Op.GATE_UP_SWIGLU, rows(x_mh, gate_up_scale_e), weights["w_gate_up_egh"], group_sizes_e,
-                      compute_capability=cc, out_k_order=order)
-    y_mh = triton_lang.run(triton_lang.Op.MATMUL, rows(a_mf, down_scale_e), weights["w_down_ehf"], group_sizes_e,
-                      compute_capability=cc, x_k_order=order)
-    return y_mh.astype(jnp.bfloat16)
-
-
-triton_expert_gemm = _differentiable(_triton_forward, _TRITON_PRODUCTS)
-
-
-def _triton_run(x_mh, group_sizes_e, weights, plan: Plan):
-    """:func:`triton_expert_gemm`; the activation scales go in only where the kernels quantize
-    activations (W4A4), so that the differentiable (W4A16) path sees the projections alone."""
-    triton_lang = _triton_lang()
-    if triton_lang.mode_for(plan.target.compute_capability) is triton_lang.Mode.W4A16:
-        weights = {name: weights[name] for name in _PROJECTIONS}
-    return triton_expert_gemm(x_mh, group_sizes_e, weights, plan).astype(plan.config.dtype)
+    match triton_lang.mode_for(cc):
+        case triton_lang.Mode.W4A16:
+            y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
+                                         backend=triton_lang.W4A16_BACKEND, compute_capability=cc,
+                                         quantize=_quantize(plan))
+        case triton_lang.Mode.W4A4:
+            gate_up_scale_e, down_scale_e = _static_scales(weights)
+            a_mf = triton_lang.run(triton_lang.Op.GATE_UP_SWIGLU,
+                                   triton_lang.NVFP4Rows(*_nvfp4_rows(x_mh, gate_up_scale_e, group_sizes_e)),
+                                   weights["w_gate_up_egh"], group_sizes_e, compute_capability=cc)
+            y_mh = triton_lang.run(triton_lang.Op.MATMUL,
+                                   triton_lang.NVFP4Rows(*_nvfp4_rows(a_mf, down_scale_e, group_sizes_e)),
+                                   weights["w_down_ehf"], group_sizes_e, compute_capability=cc)
+        case _ as unreachable:
+            assert_never(unreachable)
+    return y_mh.astype(plan.config.dtype)
 
 
 def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -417,8 +245,7 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
     for package in ("triton", "jax_triton"):
         if importlib.util.find_spec(package) is None:
             return f"{package.replace('_', '-')} is not installed (pip install 'moe-jax[triton]')"
-    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
-
+    triton_lang = _triton_lang()
     cc = target.compute_capability
     if cc not in triton_lang.NATIVE_TILES:
         return (f"no native tile configurations for {target.device_kind} (SM{cc}); "
@@ -481,8 +308,7 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
     cc = target.compute_capability
     match expert_gemm:
         case "triton":
-            from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
-
+            triton_lang = _triton_lang()
             w4a4 = triton_lang.mode_for(cc) is triton_lang.Mode.W4A4
             where = (f"W4A4 on the FP4 tensor cores of SM{cc}" if w4a4
                      else f"W4A16: triton dequantizes the weights on SM{cc}")
@@ -534,8 +360,7 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
     if config.qat:
         return 0, f"{dense} (under qat the {expert_gemm} kernels take the routed experts' float masters)"
     if expert_gemm == "triton":
-        from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
-
+        triton_lang = _triton_lang()
         if triton_lang.mode_for(target.compute_capability) is triton_lang.Mode.W4A4:
             return 0, (f"{dense} in {config.dtype} (triton quantizes activations to NVFP4 on "
                        f"SM{target.compute_capability}; the shared expert's stay {config.dtype})")
@@ -577,7 +402,7 @@ EXPERT_GEMM = Registry(
             summary=("Pallas/Triton grouped GEMMs, NVFP4 dequantized in-kernel, fused SwiGLU; SM80-SM120; "
                      "differentiable (input- and weight-gradient kernels)"),
             cannot_run=_pallas_cannot_run,
-            run=_pallas_run,
+            run=pallas_expert_gemm,
         ),
         Implementation(
             name="triton",
@@ -585,7 +410,7 @@ EXPERT_GEMM = Registry(
                      "W4A16 with in-register dequantization (SM80-SM90); differentiable on W4A16 (input-gradient "
                      "kernel; qat masters' weight gradients through the Pallas kernel)"),
             cannot_run=_triton_cannot_run,
-            run=_triton_run,
+            run=triton_expert_gemm,
         ),
         Implementation(
             name="xla",

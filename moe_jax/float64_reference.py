@@ -4,7 +4,8 @@ Nothing here calls the layer's JAX code (:mod:`moe_jax.router`, :mod:`moe_jax.la
 (softmax or sigmoid scores; a correction bias that enters the selection only; DeepSeek-V3's
 group-limited top-k, a group scored by the sum of its two best biased scores; the chosen scores
 normalized, plus 1e-20, and times the routed scaling factor), the routed SwiGLU experts and the
-shared expert are written out again from those definitions. Weights are read exactly: bf16 as
+shared expert are written out again from those definitions (one expert's MLP is the kernels'
+float64 reference, :func:`pallas_kernels.grouped_matmul.reference.mlp`). Weights are read exactly: bf16 as
 is, NVFP4 dequantized in float64 from its stored bits
 (:func:`pallas_kernels.grouped_matmul.reference.dequantize`).
 
@@ -26,7 +27,6 @@ import dataclasses
 from typing import TYPE_CHECKING, assert_never
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from moe_jax import nvfp4
@@ -95,11 +95,6 @@ def route(logits_te: np.ndarray, config: MoEConfig, bias_e: np.ndarray | None = 
     return Routing(ids_tk, weights_tk * config.routed_scaling_factor, margin_t)
 
 
-def bf16(a: np.ndarray) -> np.ndarray:
-    """float64 values rounded as a path rounds its float32 values to bf16 (nearest even)."""
-    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
 _quantize_rows = jax.jit(nvfp4.quantize_rows)
 
 
@@ -115,21 +110,11 @@ def nvfp4_rows(a_mk: np.ndarray) -> np.ndarray:
     return reference.dequantize(packed[:m, None], scales[:m, None], global_scale[:m])[:, 0]
 
 
-def swiglu(h_mg: np.ndarray) -> np.ndarray:
-    """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
-    gate, up = np.split(h_mg, 2, axis=-1)
-    return gate / (1.0 + np.exp(-gate)) * up
-
-
 def expert_mlp(x_mh: np.ndarray, w_gate_up_gh: np.ndarray, w_down_hf: np.ndarray, *, w4a4: bool) -> np.ndarray:
-    """One SwiGLU expert on float64 rows ``[M, H]``: ``down(bf16(silu(x W_gate^T) * (x W_up^T)))``,
-    weights float64 (out, in), gate rows before up rows; with ``w4a4`` both projections' inputs
-    quantized to NVFP4 per row first."""
-    x_mh = nvfp4_rows(x_mh) if w4a4 else x_mh
-    a_mf = bf16(swiglu(x_mh @ w_gate_up_gh.T))
-    if w4a4:
-        a_mf = nvfp4_rows(a_mf)
-    return a_mf @ w_down_hf.T
+    """One SwiGLU expert on float64 rows ``[M, H]``: ``down(bf16(silu(x W_gate^T) * (x W_up^T)))``
+    (:func:`pallas_kernels.grouped_matmul.reference.mlp`), weights float64 (out, in), gate rows
+    before up rows; with ``w4a4`` both projections' inputs quantized to NVFP4 per row first."""
+    return reference.mlp(x_mh, w_gate_up_gh, w_down_hf, quantize_rows=nvfp4_rows if w4a4 else None)
 
 
 def dense(w) -> np.ndarray:

@@ -521,7 +521,7 @@ def _check_vma(plan: Plan) -> bool:
     typing, ``shard_map`` sums the cotangents of inputs along the mesh axes they do not vary over
     at its boundary, so gradients stay right (``tests/test_gradients_pallas.py`` compares them);
     with it, the kernels' VJP sums weight gradients itself
-    (:func:`moe_jax.expert_gemm.pallas_expert_gemm`). Never switched off for anything else.
+    (:func:`pallas_kernels.grouped_matmul.expert_mlp`). Never switched off for anything else.
     """
     return not (plan.expert_gemm == "pallas" and plan.config.interpret)
 

@@ -65,7 +65,7 @@ def test_layer_by_hand():
 
 def test_bf16_rounds_to_nearest_even():
     ulp = 2.0**-7  # bf16 keeps 8 significant bits: the spacing above 1
-    assert float64_reference.bf16(np.array([1 + ulp / 2, 1 + 1.5 * ulp, 1 + 0.75 * ulp])).tolist() == [
+    assert reference.bf16(np.array([1 + ulp / 2, 1 + 1.5 * ulp, 1 + 0.75 * ulp])).tolist() == [
         1.0, 1 + 2 * ulp, 1 + ulp]
 
 

@@ -5,12 +5,20 @@ Public API::
     grouped_matmul(x_mk, w, group_sizes_e, *, compute_capability, interpret=False, out=None)
     gate_up_swiglu(x_mk, w_gate_up, group_sizes_e, *, compute_capability, interpret=False, out=None)
 
-and the two products a backward pass needs (``moe_jax.expert_gemm`` builds the expert MLP's VJP
-from them)::
+the two products a backward pass needs::
 
     grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability, interpret=False)
     grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability, interpret=False,
                                out_dtype=jnp.float32)
+
+and the routed experts' whole MLP (gate/up, SwiGLU, down) as one differentiable op
+(:mod:`.expert_mlp`: a ``jax.custom_vjp`` over the kernels of one family, ``backend=PALLAS``
+for these, ``triton_lang.W4A16_BACKEND`` for the Triton-language ones)::
+
+    expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend, compute_capability,
+               interpret=False, quantize=None)
+
+Each has its float64 reference in :mod:`.reference`.
 
 * ``x_mk``: bf16 ``[M, K]``, rows sorted by expert; rows at or past ``sum(group_sizes_e)`` are
   padding and their outputs are left unwritten.
@@ -26,10 +34,10 @@ from them)::
 * ``compute_capability``: the target's ``major * 10 + minor`` (90 for H200, 120 for an RTX PRO
   6000); it picks the tile table row (:mod:`.tuning`).
 * ``interpret``: Pallas interpret mode (CPU tests). The kernel then dequantizes with normal
-  floats only (:class:`.triton.Dequant`), since XLA:CPU flushes subnormals.
+  floats only (:class:`.pallas_triton.Dequant`), since XLA:CPU flushes subnormals.
 * ``out``: optional bf16 buffer of the output's shape, aliased into the kernel's output.
 
-Both return bf16 (``[M, N]`` and ``[M, F]``), accumulate in fp32 and raise ValueError naming
+The first two return bf16 (``[M, N]`` and ``[M, F]``), accumulate in fp32 and raise ValueError naming
 the argument for a bad shape, dtype or capability.
 
 Constraints: K a multiple of 64; N (for the fused op, F) a multiple of 16. For the input
@@ -48,10 +56,12 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul import pallas_triton
 from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp
 from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "run"]
+__all__ = ["PALLAS", "Backend", "expert_mlp", "gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad",
+           "grouped_matmul_weight_grad", "run"]
 
 K_MULTIPLE = 64
 N_MULTIPLE = 16
@@ -83,7 +93,7 @@ def grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: in
     ``w`` is the forward's ``[E, N, K]`` weight, read as stored (NVFP4 dequantized in the
     kernel, no transposed or dequantized copy). Its global scale must be ``[E]``: a fused
     gate/up weight with gate's and up's own scales is passed with the scales folded into
-    ``dy_mn`` instead (``moe_jax.expert_gemm`` does).
+    ``dy_mn`` instead (:func:`.expert_mlp.expert_mlp` does).
     """
     return run(Op.MATMUL, dy_mn, w, group_sizes_e, compute_capability=compute_capability, interpret=interpret,
                out=out, transpose_w=True)
@@ -279,3 +289,16 @@ def _run_jit(spec, interpret, x_mk, weight_arrays, group_sizes_e, out):
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.config.block_m,
                                             num_tiles=spec.max_tiles)
     return pallas_triton.launch(spec, schedule, x_mk, weight_arrays, out, interpret=interpret)
+
+
+def _expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                        interpret: bool) -> jax.Array:
+    """:func:`gate_up_swiglu`, then :func:`grouped_matmul`: the ``[M, 2F]`` gate/up product
+    never reaches memory."""
+    a_mf = gate_up_swiglu(x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability, interpret=interpret)
+    return grouped_matmul(a_mf, w_down, group_sizes_e, compute_capability=compute_capability, interpret=interpret)
+
+
+#: These kernels as :func:`expert_mlp`'s backend: bf16 or NVFP4 weights, interpret mode on CPU.
+PALLAS = Backend(name="pallas", forward=_expert_mlp_forward, matmul=grouped_matmul,
+                 input_grad=grouped_matmul_input_grad, weight_grad=grouped_matmul_weight_grad)

@@ -1,4 +1,5 @@
-"""Float64 NumPy reference for the grouped matmul kernels (exact NVFP4 dequantization).
+"""Float64 NumPy reference for the grouped matmul kernels (exact NVFP4 dequantization) and for
+the expert MLP op built on them (:mod:`.expert_mlp`), its forward and its gradients.
 
 Shapes follow the kernels': ``x_mk [M, K]``, weights ``[E, N, K]`` (out, in), ``group_sizes_e
 [E]`` with the rows of expert ``e`` contiguous and in expert order. Only the first
@@ -8,6 +9,7 @@ Shapes follow the kernels': ``x_mk [M, K]``, weights ``[E, N, K]`` (out, in), ``
 from __future__ import annotations
 
 import jax
+import ml_dtypes
 import numpy as np
 
 #: The value of each E2M1 code 0..15; bit 3 is the sign.
@@ -73,11 +75,72 @@ def grouped_matmul(x_mk, w, group_sizes_e) -> np.ndarray:
     return _per_expert_rows(x_mk, group_sizes_e, _shape(w)[1], lambda rows, e: rows @ expert_weight(w, e).T)
 
 
+def swiglu(h_mg: np.ndarray) -> np.ndarray:
+    """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
+    gate, up = np.split(h_mg, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
 def gate_up_swiglu(x_mk, w_gate_up, group_sizes_e) -> np.ndarray:
     """float64 ``[S, F]``: ``silu(x W_gate^T) * (x W_up^T)`` with ``W_gate_up = [gate; up]``."""
-    h = grouped_matmul(x_mk, w_gate_up, group_sizes_e)
-    gate, up = np.split(h, 2, axis=-1)
-    return gate / (1.0 + np.exp(-gate)) * up
+    return swiglu(grouped_matmul(x_mk, w_gate_up, group_sizes_e))
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float64 values rounded as the kernels round their float32 values to bf16 (nearest even)."""
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def mlp(x_mh: np.ndarray, w_gate_up_gh: np.ndarray, w_down_hf: np.ndarray, *, quantize_rows=None) -> np.ndarray:
+    """One SwiGLU expert on float64 rows ``[M, H]``: ``down(bf16(silu(x W_gate^T) * (x W_up^T)))``,
+    weights float64 (out, in), gate rows before up rows. The SwiGLU output is rounded to bf16,
+    as every kernel writes it; nothing else is rounded. ``quantize_rows``: None, or a function
+    of float64 rows ``[M, K]`` applied to both projections' inputs (the rounding of kernels
+    that quantize their activations)."""
+    rows = (lambda a: a) if quantize_rows is None else quantize_rows
+    a_mf = bf16(swiglu(rows(x_mh) @ w_gate_up_gh.T))
+    return rows(a_mf) @ w_down_hf.T
+
+
+def expert_mlp(x_mh, w_gate_up, w_down, group_sizes_e) -> np.ndarray:
+    """float64 ``[S, H]``: :func:`mlp` of each defined row's expert (the forward of
+    :func:`pallas_kernels.grouped_matmul.expert_mlp`), weights as for :func:`expert_weight`."""
+    return _per_expert_rows(x_mh, group_sizes_e, _shape(w_down)[1],
+                            lambda rows, e: mlp(rows, expert_weight(w_gate_up, e), expert_weight(w_down, e)))
+
+
+def expert_mlp_vjp(x_mh, w_gate_up, w_down, group_sizes_e, dy_mh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The gradients of :func:`expert_mlp` for the output cotangent ``dy_mh`` ``[M, H]``, by the
+    chain rule on the dequantized weights, float64.
+
+    The SwiGLU output enters the down projection rounded to bf16 (:func:`mlp`), so ``W_down``'s
+    gradient takes the rounded value; the rounding passes the gradient straight through.
+
+    Returns:
+      ``(dx [S, H], dW_gate_up [E, 2F, H], dW_down [E, H, F])``: the gradient of the ``S``
+      defined rows (padding rows have none), and of each expert's weights (zeros for an
+      expert without rows).
+    """
+    x = np.asarray(x_mh).astype(np.float64)
+    dy = np.asarray(dy_mh).astype(np.float64)
+    rows = valid_rows(group_sizes_e, x.shape[0])
+    e_count, g, h = _shape(w_gate_up)
+    dx = np.zeros((rows, h))
+    dw_gate_up, dw_down = np.zeros((e_count, g, h)), np.zeros((e_count, h, g // 2))
+    for e, start, end in _groups(group_sizes_e, rows):
+        if end == start:
+            continue
+        w_gate_up_gh, w_down_hf = expert_weight(w_gate_up, e), expert_weight(w_down, e)
+        x_e, dy_e = x[start:end], dy[start:end]
+        gate, up = np.split(x_e @ w_gate_up_gh.T, 2, axis=-1)
+        sig = 1.0 / (1.0 + np.exp(-gate))
+        silu = gate * sig
+        da = dy_e @ w_down_hf
+        dh = np.concatenate([da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu], axis=-1)
+        dx[start:end] = dh @ w_gate_up_gh
+        dw_gate_up[e] = dh.T @ x_e
+        dw_down[e] = dy_e.T @ bf16(silu * up)
+    return dx, dw_gate_up, dw_down
 
 
 def _groups(group_sizes_e, rows: int):

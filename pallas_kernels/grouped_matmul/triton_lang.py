@@ -43,8 +43,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import pallas_triton
+from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, pallas_triton
 from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul.expert_mlp import Backend
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
@@ -427,12 +428,25 @@ def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr
         y = acc
     cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     if OUT_K_ORDER > 0:  # where permute_k(out, OUT_K_ORDER) puts each column
-        g_groups: tl.constexpr = OUT_K_ORDER // 32
         o = cols_n % OUT_K_ORDER
-        c, g, t, g0, h = o // (8 * g_groups), (o // 8) % g_groups, (o // 4) % 2, (o // 2) % 2, o % 2
-        cols_n = cols_n - o + (32 * g + 16 * g0 + 8 * h + 2 * c + t)
+        cols_n = _k_order(cols_n - o, o, OUT_K_ORDER, False)
     out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
     tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
+
+
+@triton.jit
+def _k_order(chunk_start, i, BLOCK_K: tl.constexpr, INVERSE: tl.constexpr):
+    """:func:`permute_k`'s column order within one ``BLOCK_K`` chunk as index arithmetic:
+    ``chunk_start`` plus the position of the element at offset ``i``; with ``INVERSE``, plus the
+    element at position ``i``. An element's digits (most significant first) are c (4 values),
+    g (``BLOCK_K / 32``), t, g0, h (2 each); its position's are g, g0, h, c, t."""
+    G: tl.constexpr = BLOCK_K // 32
+    if INVERSE:
+        c, g, t, g0, h = (i // 2) % 4, i // 32, i % 2, (i // 16) % 2, (i // 8) % 2
+        return chunk_start + c * (8 * G) + g * 8 + t * 4 + g0 * 2 + h
+    else:
+        c, g, t, g0, h = i // (8 * G), (i // 8) % G, (i // 4) % 2, (i // 2) % 2, i % 2
+        return chunk_start + (32 * g + 16 * g0 + 8 * h + 2 * c + t)
 
 
 @triton.jit
@@ -475,10 +489,7 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
         # The weight's global scale, and the 2**7 the dequantized operand is short of.
         acc = acc * (tl.load(w_global_ptr + expert) * 128.0)
         # Tile column p holds weight column e(p) of this tile (permute_k's order, inverted).
-        p = tl.arange(0, BLOCK_O)
-        g_groups: tl.constexpr = BLOCK_O // 32
-        cols_o = (j * BLOCK_O + ((p // 2) % 4) * (8 * g_groups) + (p // 32) * 8 + (p % 2) * 4 + ((p // 16) % 2) * 2
-                  + (p // 8) % 2)
+        cols_o = _k_order(j * BLOCK_O, tl.arange(0, BLOCK_O), BLOCK_O, True)
         out_at = out_ptr + first_row * K + (local_m[:, None] * K + cols_o[None, :])
         tl.store(out_at, acc.to(tl.bfloat16), mask=row_ok_m[:, None])
 
@@ -530,13 +541,14 @@ class NVFP4Rows:
     global_scale: jax.Array
 
 
-def _check_rows(x, mode: Mode, name: str) -> tuple[int, int]:
-    """Validates the activations for ``mode``; returns ``(M, K)``."""
+def _check_rows(x, mode: Mode, name: str, columns: str = "K") -> tuple[int, int]:
+    """Validates the activations for ``mode``; returns ``(M, C)``, C their reduced dimension
+    (``columns``: ``K`` for the forward, ``N`` for the input gradient's ``dy``)."""
     match mode:
         case Mode.W4A16:
             if not hasattr(x, "dtype") or np.dtype(x.dtype) != np.dtype(jnp.bfloat16) or x.ndim != 2:
                 found = f"{x.dtype}{list(x.shape)}" if hasattr(x, "dtype") else type(x).__name__
-                raise ValueError(f"{name}: {found}, expected bfloat16 [M, K] (W4A16)")
+                raise ValueError(f"{name}: {found}, expected bfloat16 [M, {columns}] (W4A16)")
             m, k = x.shape
         case Mode.W4A4:
             if not isinstance(x, NVFP4Rows):
@@ -552,28 +564,46 @@ def _check_rows(x, mode: Mode, name: str) -> tuple[int, int]:
         case _:
             assert_never(mode)
     if k % K_MULTIPLE or k == 0:
-        raise ValueError(f"{name}: K={k}, expected a positive multiple of {K_MULTIPLE}")
+        raise ValueError(f"{name}: {columns}={k}, expected a positive multiple of {K_MULTIPLE}")
     return m, k
 
 
-def _check_weights(w, name: str, op: Op, num_experts: int, k: int) -> tuple[int, int]:
-    """Validates an NVFP4 weight; returns ``(weight rows N_W, global scales per expert G)``."""
+def _check_group_sizes(group_sizes_e) -> int:
+    """Validates ``group_sizes_e``; returns E."""
+    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
+        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
+    return group_sizes_e.shape[0]
+
+
+def _check_weights(w, name: str, op: Op, num_experts: int, *, k: int | None = None, n: int | None = None,
+                   rows_name: str = "x") -> tuple[int, int, int]:
+    """Validates an NVFP4 weight ``[E, N, K]`` against the activations ``rows_name``, which fix
+    its K (``k``: the forward multiplies by ``W_e^T``) or its N (``n``: the input gradient
+    multiplies by ``W_e``); the other dimension is the weight's own. Returns ``(N, K, G)``, G the
+    global scales per expert: 1, or 2 (gate's and up's) for the fused op."""
     if not all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
         raise ValueError(f"{name}: {type(w).__name__}, expected an NVFP4 tensor (.packed, .scales, .global_scale); "
                          "the native kernels take NVFP4 weights only")
-    n_w = w.packed.shape[1] if w.packed.ndim == 3 else -1
-    expected = {"packed": (np.uint8, (num_experts, n_w, k // 2)), "scales": (_FLOAT8_E4M3FN, (num_experts, n_w, k // 16))}
+    if w.packed.ndim != 3:
+        raise ValueError(f"{name}.packed: {w.packed.dtype}{list(w.packed.shape)}, expected uint8 [E={num_experts} "
+                         "(group_sizes_e), N, K/2]")
+    n_w = w.packed.shape[1] if n is None else n
+    k_w = 2 * w.packed.shape[2] if k is None else k
+    fixed = "" if k is None and n is None else f", K={k} ({rows_name})" if n is None else f", N={n} ({rows_name})"
+    expected = {"packed": (np.uint8, (num_experts, n_w, k_w // 2)),
+                "scales": (_FLOAT8_E4M3FN, (num_experts, n_w, k_w // 16))}
     for field, (dtype, shape) in expected.items():
         a = getattr(w, field)
         if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:
             raise ValueError(f"{name}.{field}: {a.dtype}{list(a.shape)}, expected {np.dtype(dtype).name} "
-                             f"[E={num_experts} (group_sizes_e), N, {shape[2]}] for K={k}")
-    scale_shapes = [(num_experts,)] + ([(num_experts, 2)] if op is Op.GATE_UP_SWIGLU else [])
+                             f"[{', '.join(map(str, shape))}] for E={num_experts} (group_sizes_e){fixed}")
+    scale_shapes = [[num_experts]] + ([[num_experts, 2]] if op is Op.GATE_UP_SWIGLU else [])
     g = w.global_scale
-    if np.dtype(g.dtype) != np.float32 or tuple(g.shape) not in scale_shapes:
+    if np.dtype(g.dtype) != np.float32 or list(g.shape) not in scale_shapes:
+        folded = f"; gate's and up's own global scales are folded into {rows_name} instead" if n is not None else ""
         raise ValueError(f"{name}.global_scale: {g.dtype}{list(g.shape)}, expected float32 "
-                         f"{' or '.join(map(str, scale_shapes))}")
-    return n_w, 1 if g.ndim == 1 else 2
+                         f"{' or '.join(map(str, scale_shapes))}{folded}")
+    return n_w, k_w, 1 if g.ndim == 1 else 2
 
 
 def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
@@ -608,11 +638,9 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
                          "FP4 MMA: SM100, SM120)")
     m, k = _check_rows(x, mode, "x")
-    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
-        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
-    num_experts = group_sizes_e.shape[0]
+    num_experts = _check_group_sizes(group_sizes_e)
     name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
-    n_w, groups = _check_weights(w, name, op, num_experts, k)
+    n_w, _, groups = _check_weights(w, name, op, num_experts, k=k)
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
     if n_out % 16 or n_out == 0 or (op is Op.GATE_UP_SWIGLU and n_w % 2):
         raise ValueError(f"{name}: {n_w} rows, expected a positive multiple of "
@@ -713,27 +741,9 @@ def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, tile: TileCo
     Raises:
       ValueError: naming the argument, for a bad shape, dtype or capability.
     """
-    if not hasattr(dy_mn, "dtype") or np.dtype(dy_mn.dtype) != np.dtype(jnp.bfloat16) or dy_mn.ndim != 2:
-        found = f"{dy_mn.dtype}{list(dy_mn.shape)}" if hasattr(dy_mn, "dtype") else type(dy_mn).__name__
-        raise ValueError(f"dy_mn: {found}, expected bfloat16 [M, N]")
-    m, n = dy_mn.shape
-    if n % K_MULTIPLE or n == 0:
-        raise ValueError(f"dy_mn: N={n}, expected a positive multiple of {K_MULTIPLE}")
-    if np.dtype(group_sizes_e.dtype) != np.int32 or group_sizes_e.ndim != 1 or group_sizes_e.shape[0] == 0:
-        raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E], E >= 1")
-    num_experts = group_sizes_e.shape[0]
-    if not all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
-        raise ValueError(f"w: {type(w).__name__}, expected an NVFP4 tensor (.packed, .scales, .global_scale)")
-    k = 2 * w.packed.shape[-1] if w.packed.ndim == 3 else -1
-    expected = {"packed": (np.uint8, (num_experts, n, k // 2)), "scales": (_FLOAT8_E4M3FN, (num_experts, n, k // 16)),
-                "global_scale": (np.float32, (num_experts,))}
-    for field, (dtype, shape) in expected.items():
-        a = getattr(w, field)
-        if np.dtype(a.dtype) != np.dtype(dtype) or tuple(a.shape) != shape:
-            raise ValueError(f"w.{field}: {a.dtype}{list(a.shape)}, expected {np.dtype(dtype).name} {list(shape)} for "
-                             f"E={num_experts} (group_sizes_e), N={n} (dy_mn), K"
-                             + ("; gate's and up's own global scales are folded into dy_mn instead"
-                                if field == "global_scale" else ""))
+    m, n = _check_rows(dy_mn, Mode.W4A16, "dy_mn", columns="N")
+    num_experts = _check_group_sizes(group_sizes_e)
+    _, k, _ = _check_weights(w, "w", Op.MATMUL, num_experts, n=n, rows_name="dy_mn")
     if k % K_MULTIPLE or k <= 0:
         raise ValueError(f"w.packed: K={k}, expected a positive multiple of {K_MULTIPLE}")
     if out is not None and (tuple(out.shape) != (m, k) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
@@ -836,6 +846,44 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
+def _not_interpreted(interpret: bool) -> None:
+    if interpret:
+        raise ValueError("interpret: True, expected False (the Triton-language kernels have no interpret mode under "
+                         "JAX; Triton's own interpreter runs them in tests/interpreter)")
+
+
+def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16)
+
+
+def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
+
+
+def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                              interpret: bool) -> jax.Array:
+    """The fused gate/up + SwiGLU kernel, then the down projection, W4A16. The gate/up kernel
+    writes its output's columns in the order the down kernel reads them (:func:`permute_k`,
+    ``out_k_order``), which saves a pass over the intermediate activations between them."""
+    _not_interpreted(interpret)
+    h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, _check_group_sizes(group_sizes_e))
+    order = k_order(Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0], k=f, n_out=h,
+                    compute_capability=compute_capability)
+    a_mf = run(Op.GATE_UP_SWIGLU, x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability,
+               mode=Mode.W4A16, out_k_order=order)
+    return run(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16,
+               x_k_order=order)
+
+
+#: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
+#: NVFP4 weights): the weight gradient (of ``qat`` masters) is a dense product, the Pallas
+#: kernel's, the one there is.
+W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
+                        input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad)
+
+
 __all__ = ["INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
-           "InputGradSpec", "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec",
-           "mode_for", "one_group_tile", "run"]
+           "InputGradSpec", "W4A16_BACKEND", "input_grad", "k_order", "launch", "launch_input_grad",
+           "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "run"]

@@ -225,7 +225,7 @@ def test_bounds_check_sees_a_broken_schedule(rng, monkeypatch):
     def unclipped(group_sizes_e, *, num_rows, block_m, num_tiles):
         return schedule(group_sizes_e, num_rows=2**30, block_m=block_m, num_tiles=num_tiles)
 
-    monkeypatch.setattr(triton_backend, "tile_schedule", unclipped)
+    monkeypatch.setattr(pallas_triton, "tile_schedule", unclipped)
     jax.clear_caches()  # The kernel is jit-cached by its spec: retrace with the broken schedule.
     try:
         _, out_of_bounds = run(Op.MATMUL, x, w, group_sizes, compute_capability=90, interpret=True,

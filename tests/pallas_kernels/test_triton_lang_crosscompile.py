@@ -145,7 +145,8 @@ def test_bad_input_gets_one_line_naming_the_argument():
     cases = [
         (dict(x=x.astype(jnp.float32)), r"^x: float32\[10, 128\], expected bfloat16 \[M, K\] \(W4A16\)$"),
         (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
-        (dict(w=_nvfp4(e=3)), r"^w\.packed: uint8\[3, 64, 64\], expected uint8 \[E=4 \(group_sizes_e\), N, 64\]"),
+        (dict(w=_nvfp4(e=3)),
+         r"^w\.packed: uint8\[3, 64, 64\], expected uint8 \[4, 64, 64\] for E=4 \(group_sizes_e\), K=128 \(x\)$"),
         (dict(cc=90, mode=triton_lang.Mode.W4A4), r"^mode: W4A4 on compute capability 90, expected >= 100"),
         (dict(cc=75), r"^compute_capability: 75 has no native tile configurations"),
         (dict(x=jnp.ones((10, 96), jnp.bfloat16), w=_nvfp4(k=96)), r"^x: K=96, expected a positive multiple of 64$"),
@@ -168,11 +169,11 @@ def test_input_grad_bad_input_gets_one_line_naming_the_argument():
     w, sizes, dy = _nvfp4(), jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 64), jnp.bfloat16)
     halves = NVFP4Tensor(packed=w.packed, scales=w.scales, global_scale=jnp.ones((4, 2), jnp.float32))
     cases = [
-        (dict(dy=dy.astype(jnp.float32)), r"^dy_mn: float32\[10, 64\], expected bfloat16 \[M, N\]$"),
+        (dict(dy=dy.astype(jnp.float32)), r"^dy_mn: float32\[10, 64\], expected bfloat16 \[M, N\] \(W4A16\)$"),
         (dict(dy=jnp.ones((10, 96), jnp.bfloat16)), r"^dy_mn: N=96, expected a positive multiple of 64$"),
         (dict(w=np.zeros((4, 64, 128))), r"^w: ndarray, expected an NVFP4 tensor"),
         (dict(w=_nvfp4(n=128)), r"^w\.packed: uint8\[4, 128, 64\], expected uint8 \[4, 64, 64\] for E=4"),
-        (dict(w=halves), r"^w\.global_scale: float32\[4, 2\], expected float32 \[4\] .*folded into dy_mn"),
+        (dict(w=halves), r"^w\.global_scale: float32\[4, 2\], expected float32 \[4\]; .*folded into dy_mn instead$"),
         (dict(sizes=sizes[:0]), r"^group_sizes_e: int32\[0\], expected int32 \[E\], E >= 1$"),
         (dict(cc=120), r"^compute_capability: 120 has no W4A16 input-gradient tiles; known: \[80, 89, 90\]"),
         (dict(out=jnp.zeros((10, 64), jnp.bfloat16)), r"^out: bfloat16\[10, 64\], expected bfloat16 \[10, 128\]$"),

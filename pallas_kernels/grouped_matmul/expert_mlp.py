@@ -1,0 +1,215 @@
+"""The routed experts' MLP as one differentiable op: gate/up projection, SwiGLU, down projection.
+
+Public API::
+
+    expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend, compute_capability, interpret=False,
+               quantize=None) -> y_mh
+
+``y_mh = down(silu(x W_gate^T) * (x W_up^T))`` per expert, a ``jax.custom_vjp``:
+
+* forward (no differentiation): the ``backend``'s fused kernels, gate/up + SwiGLU in one (the
+  ``[M, 2F]`` product stays on chip), then the down projection;
+* forward under differentiation: the gate/up product as the plain grouped matmul, kept as a
+  residual (bf16 ``[M, 2F]``: one GEMM fewer than recomputing it, as torch's autograd keeps it
+  too), SwiGLU in XLA, then the down projection;
+* backward: the input-gradient kernel (``dy @ W_e``, NVFP4 dequantized in the kernel as in the
+  forward, no dequantized copy) through both projections, and the weight-gradient kernel
+  (``dy_e^T @ x_e`` per expert) for each trainable weight.
+
+Arguments:
+
+* ``x_mh``: ``[M, H]`` (cast to bf16), rows sorted by expert; rows past ``sum(group_sizes_e)``
+  are padding: their outputs are unspecified and their gradient is zero.
+* ``group_sizes_e``: int32 ``[E]``.
+* ``w_gate_up``: ``[E, 2F, H]`` (out, in; gate rows before up rows), ``w_down``: ``[E, H, F]``.
+  Each is a bf16 array (trainable: it gets its gradient), or NVFP4 in ModelOpt's layout as a
+  pytree with ``.packed/.scales/.global_scale`` (such as ``moe_jax.nvfp4.NVFP4Tensor``; frozen:
+  no weight gradient is computed, its cotangent is zero). An NVFP4 ``w_gate_up`` may carry gate's
+  and up's own global scales (``.global_scale`` ``[E, 2]``): the fused forward applies each to
+  its half's accumulator; the plain matmul and the input gradient take the weight with a global
+  scale of 1.0 per expert, and each row's two scales multiply, in float32, the halves of the kept
+  gate/up product and of the gate/up gradient before its input gradient (:func:`_per_half`).
+* ``backend``: a :class:`Backend`, the kernels of one family: ``pallas_kernels.grouped_matmul.PALLAS``
+  (bf16 or NVFP4 weights; Pallas interpret mode on CPU) or ``triton_lang.W4A16_BACKEND`` (the
+  Triton-language kernels, NVFP4 weights dequantized in registers, SM80-SM90; its weight
+  gradient is the Pallas kernel's).
+* ``compute_capability``: picks the kernels' tiles; ``interpret``: Pallas interpret mode.
+* ``quantize``: None, or a function from a float ``[E, N, K]`` array to NVFP4 weights (for
+  instance ``moe_jax.nvfp4.quantize``): the weights are then float masters (quantization-aware
+  training) that the kernels read quantized, requantized every call, with the straight-through
+  gradient: the masters get the gradient of their quantization (``dL/dW = dL/dW_q``).
+
+Returns ``y_mh`` bf16 ``[M, H]``.
+
+Under ``shard_map`` the rows vary over every mesh axis and a weight over fewer (the expert axis):
+a weight's gradient is summed (``psum``) over the axes its rows vary over and it does not.
+
+The float64 reference of the forward and of the gradients: :func:`.reference.expert_mlp` and
+:func:`.reference.expert_mlp_vjp`.
+
+Dimension letters: ``m`` rows, ``h`` hidden, ``e`` experts, ``f`` intermediate, ``g = 2f``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Backend", "expert_mlp", "swiglu"]
+
+
+class Backend(NamedTuple):
+    """The kernels of one family that :func:`expert_mlp` is made of. Each takes the keyword
+    arguments ``compute_capability`` and ``interpret``, and returns bf16 unless said otherwise.
+
+    Attributes:
+      name: the family, for messages.
+      forward: ``(x_mh, group_sizes_e, w_gate_up, w_down) -> y_mh [M, H]``: the fused gate/up +
+        SwiGLU kernel, then the down projection (the forward without differentiation).
+      matmul: ``(x_mk, w, group_sizes_e) -> [M, N]``: ``x @ W_e^T``.
+      input_grad: ``(dy_mn, w, group_sizes_e) -> [M, K]``: ``dy @ W_e``, ``w`` with one global
+        scale per expert.
+      weight_grad: ``(x_mk, dy_mn, group_sizes_e, *, out_dtype) -> [E, N, K]`` in ``out_dtype``:
+        ``dy_e^T x_e``.
+    """
+
+    name: str
+    forward: Callable
+    matmul: Callable
+    input_grad: Callable
+    weight_grad: Callable
+
+
+class _NVFP4(NamedTuple):
+    """NVFP4 weights as the kernels read them (a pytree)."""
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+
+
+def _is_nvfp4(w) -> bool:
+    return all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale"))
+
+
+def swiglu(h_mg: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
+    gate, up = jnp.split(h_mg, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, compute_capability: int,
+               interpret: bool = False, quantize: Callable | None = None) -> jax.Array:
+    """bf16 ``[M, H]``: the expert MLP of each row's expert, differentiable (see the module docstring)."""
+    if not isinstance(backend, Backend):
+        raise ValueError(f"backend: {type(backend).__name__}, expected a Backend (pallas_kernels.grouped_matmul.PALLAS "
+                         "or triton_lang.W4A16_BACKEND)")
+    if quantize is not None:
+        for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+            if _is_nvfp4(w):
+                raise ValueError(f"{name}: NVFP4 weights, expected float masters with quantize (they are quantized "
+                                 "here every call); pass quantize=None for NVFP4 weights, which are frozen")
+    return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, group_sizes_e, w_gate_up, w_down)
+
+
+def _kernel_weight(w, quantize):
+    """The weight the kernels read: ``w``, or the NVFP4 quantization of the float master."""
+    return w if quantize is None else quantize(jax.lax.stop_gradient(w))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quantize, x_mh, group_sizes_e, w_gate_up,
+                w_down):
+    return backend.forward(x_mh.astype(jnp.bfloat16), group_sizes_e, _kernel_weight(w_gate_up, quantize),
+                           _kernel_weight(w_down, quantize), compute_capability=compute_capability, interpret=interpret)
+
+
+def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
+    """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
+    last expert's, harmless: their values are never used)."""
+    # Unrolled, as the kernels' tile schedule: the default method is a device-side while loop.
+    expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right",
+                                method="scan_unrolled")
+    return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
+
+
+def _one_scale_per_expert(w_gate_up, group_sizes_e, num_rows: int):
+    """``(w, half_scales_m2)``: the gate/up weight as the plain matmul and the input gradient
+    take it (one global scale per expert), and None, or, for gate and up with their own global
+    scales (``[E, 2]``), the weight with 1.0 and each row's ``[gate, up]`` scales to multiply instead."""
+    if not (_is_nvfp4(w_gate_up) and w_gate_up.global_scale.shape[1:] == (2,)):
+        return w_gate_up, None
+    ones = jnp.ones(w_gate_up.global_scale.shape[:1], jnp.float32)
+    return (_NVFP4(packed=w_gate_up.packed, scales=w_gate_up.scales, global_scale=ones),
+            _row_half_scales(w_gate_up.global_scale, group_sizes_e, num_rows))
+
+
+def _per_half(h_mg, half_scales_m2):
+    """float32 ``h_mg`` with its gate and up halves times their rows' scales (None: as is)."""
+    h_mg = h_mg.astype(jnp.float32)
+    if half_scales_m2 is None:
+        return h_mg
+    gate, up = jnp.split(h_mg, 2, axis=-1)
+    return jnp.concatenate([gate * half_scales_m2[:, :1], up * half_scales_m2[:, 1:]], axis=-1)
+
+
+def _trainable(w):
+    """None for frozen (NVFP4) weights; else an empty slice, which carries the weight's dtype and,
+    under ``shard_map``, the mesh axes it varies over (residuals must be arrays)."""
+    return None if _is_nvfp4(w) else w.reshape(-1)[:0]
+
+
+def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, quantize, x_mh, group_sizes_e,
+                    w_gate_up, w_down):
+    kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
+    w_gate_up_k, w_down_k = _kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize)
+    x_mh = x_mh.astype(jnp.bfloat16)
+    w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, x_mh.shape[0])
+    h_mg = backend.matmul(x_mh, w_one, group_sizes_e, **kernel_args)  # bf16, kept
+    a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
+    y_mh = backend.matmul(a_mf, w_down_k, group_sizes_e, **kernel_args)
+    trainable = (_trainable(w_gate_up), _trainable(w_down))
+    return y_mh, (x_mh, group_sizes_e, w_gate_up_k, w_down_k, trainable, h_mg)
+
+
+def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, quantize, residuals, dy_mh):
+    del quantize  # the masters' gradient is their quantization's (straight-through)
+    kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
+    x_mh, group_sizes_e, w_gate_up_k, w_down_k, (gate_up_trainable, down_trainable), h_mg = residuals
+    dy_mh = dy_mh.astype(jnp.bfloat16)
+    num_rows = x_mh.shape[0]
+    w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, num_rows)
+    gate, up = jnp.split(_per_half(h_mg, half_scales_m2), 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    a_mf = (silu * up).astype(jnp.bfloat16)  # the forward's bf16 SwiGLU output, recomputed
+
+    da_mf = backend.input_grad(dy_mh, w_down_k, group_sizes_e, **kernel_args).astype(jnp.float32)
+    dh_mg = jnp.concatenate([da_mf * up * (sig * (1.0 + gate * (1.0 - sig))), da_mf * silu], axis=-1)
+    # The input gradient reads the weight with one scale per expert: the rows carry the halves'.
+    dx_mh = backend.input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_one, group_sizes_e,
+                               **kernel_args)
+    # Padding rows have no defined output, so no gradient: zero them rather than pass on
+    # whatever the kernels left there.
+    defined_m = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes_e, 0))
+    dx_mh = jnp.where(defined_m[:, None], dx_mh, 0)
+
+    def weight_grad(trainable, rows_mk, dy_mn):
+        if trainable is None:
+            return None  # Frozen NVFP4 weights: nothing to compute, zero cotangent.
+        dw = backend.weight_grad(rows_mk, dy_mn, group_sizes_e, out_dtype=trainable.dtype, **kernel_args)
+        # Under shard_map the rows vary over every mesh axis and a weight over the expert axis
+        # only: its gradient is the sum of every device's rows' contributions along the others.
+        summed = jax.typeof(dw).manual_axis_type.varying - jax.typeof(trainable).manual_axis_type.varying
+        return jax.lax.psum(dw, tuple(sorted(summed))) if summed else dw
+
+    dw_gate_up = weight_grad(gate_up_trainable, x_mh, dh_mg.astype(jnp.bfloat16))
+    dw_down = weight_grad(down_trainable, a_mf, dy_mh)
+    return dx_mh, None, dw_gate_up, dw_down
+
+
+_expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

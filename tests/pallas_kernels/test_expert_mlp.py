@@ -1,0 +1,133 @@
+"""The expert MLP op (``pallas_kernels.grouped_matmul.expert_mlp``) on its own: its forward and its
+``jax.vjp`` against the float64 reference (``reference.expert_mlp`` and ``reference.expert_mlp_vjp``,
+the chain rule written out in NumPy on the weights the kernels read).
+
+Backend ``PALLAS`` in the Pallas interpreter on CPU, and its GPU twin with backend
+``triton_lang.W4A16_BACKEND`` (W4A16, SM80-SM90). Weight formats: bf16 (trainable), NVFP4
+(frozen: zero cotangent), NVFP4 with gate's and up's own global scales (``[E, 2]``, frozen), and
+float masters with ``quantize=moe_jax.nvfp4.quantize`` (qat: the masters get the gradient of
+their quantization). Every case has padding rows past ``sum(group_sizes)`` (no gradient) and an
+expert without rows (a zero weight gradient). Tolerances, relative Frobenius error: the output
+1e-2 (bf16 rounding), the gradients 2e-2 (the kept gate/up product and the SwiGLU gradient are
+rounded to bf16, where the reference keeps float64).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_grouped_matmul import _gpu_capability
+
+from moe_jax import nvfp4
+from pallas_kernels.grouped_matmul import PALLAS, expert_mlp, reference
+
+OUTPUT_TOLERANCE = 1e-2
+GRADIENT_TOLERANCE = 2e-2
+FORMATS = ["bf16", "nvfp4", "nvfp4_own_scales", "qat"]
+TRAINABLE = ("bf16", "qat")
+
+
+def _normal(rng, shape) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)
+
+
+def _weights(rng, fmt: str, e: int, h: int, f: int):
+    """``(w_gate_up [E, 2F, H], w_down [E, H, F], quantize)`` as the op takes them for ``fmt``.
+    ``nvfp4_own_scales``: gate and up quantized separately, up 3-10x larger than gate, so that
+    either half's scale applied to both would be far off."""
+    w_gate_up, w_down = _normal(rng, (e, 2 * f, h)), _normal(rng, (e, h, f))
+    match fmt:
+        case "bf16":
+            return w_gate_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16), None
+        case "nvfp4":
+            return nvfp4.quantize(w_gate_up), nvfp4.quantize(w_down), None
+        case "nvfp4_own_scales":
+            gate, up = jnp.split(w_gate_up, 2, axis=1)
+            up = up * jnp.asarray(rng.uniform(3, 10, (e, 1, 1)), jnp.float32)
+            return nvfp4.concat_rows(nvfp4.quantize(gate), nvfp4.quantize(up)), nvfp4.quantize(w_down), None
+        case "qat":  # float32 masters: their gradients come back in float32
+            return w_gate_up, w_down, nvfp4.quantize
+    raise AssertionError(fmt)
+
+
+def _relative_error(got, want) -> float:
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} non-finite values"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int, **kernel_args):
+    """The fused forward, and ``jax.vjp``'s output and cotangents, against the float64 reference."""
+    w_gate_up, w_down, quantize = _weights(rng, fmt, len(groups), h, f)
+    m = sum(groups) + padding
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    group_sizes = jnp.asarray(groups, jnp.int32)
+    op = functools.partial(expert_mlp, quantize=quantize, **kernel_args)
+
+    # The reference reads the weights the kernels read: qat masters through their quantization.
+    read = (lambda w: w) if quantize is None else quantize
+
+    @jax.jit
+    def forward_and_vjp(x, group_sizes, w_gate_up, w_down, dy):
+        y, pull = jax.vjp(lambda *args: op(args[0], group_sizes, *args[1:]), x, w_gate_up, w_down)
+        return op(x, group_sizes, w_gate_up, w_down), y, pull(dy), (read(w_gate_up), read(w_down))
+
+    y_fused, y, (dx, dw_gate_up, dw_down), (w_gate_up_ref, w_down_ref) = forward_and_vjp(x, group_sizes, w_gate_up,
+                                                                                        w_down, dy)
+    want_y = reference.expert_mlp(x, w_gate_up_ref, w_down_ref, group_sizes)
+    want_dx, want_dw_gate_up, want_dw_down = reference.expert_mlp_vjp(x, w_gate_up_ref, w_down_ref, group_sizes, dy)
+    s = want_y.shape[0]
+    assert y.dtype == y_fused.dtype == jnp.bfloat16 and y.shape == (m, h)
+    errors = {"y (fused)": _relative_error(y_fused[:s], want_y), "y (under vjp)": _relative_error(y[:s], want_y)}
+    assert max(errors.values()) <= OUTPUT_TOLERANCE, errors
+    errors = {"dx": _relative_error(dx[:s], want_dx)}
+    assert not np.any(np.asarray(dx[s:].astype(jnp.float32))), "padding rows got a gradient"
+    if fmt in TRAINABLE:
+        for name, got, want, master in (("dw_gate_up", dw_gate_up, want_dw_gate_up, w_gate_up),
+                                        ("dw_down", dw_down, want_dw_down, w_down)):
+            assert got.dtype == master.dtype and got.shape == master.shape, (name, got.dtype, got.shape)
+            empty = [e for e, size in enumerate(groups) if size == 0]
+            assert not np.any(np.asarray(got[np.asarray(empty)].astype(jnp.float32))), f"{name}: experts {empty}"
+            errors[name] = _relative_error(got, want)
+    else:  # frozen NVFP4: a zero cotangent (float0 for the integer codes)
+        for leaf in jax.tree.leaves((dw_gate_up, dw_down)):
+            assert leaf.dtype == jax.dtypes.float0 or not np.any(np.asarray(leaf.astype(jnp.float32)))
+    assert max(errors.values()) <= GRADIENT_TOLERANCE, errors
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interpret_forward_and_vjp_match_float64_reference(rng, fmt):
+    _check(rng, fmt, groups=(9, 0, 14, 6), padding=8, h=64, f=64, backend=PALLAS, compute_capability=90,
+           interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt != "bf16"])  # the native kernels take NVFP4 only
+def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt):
+    triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
+    cc = _gpu_capability()
+    if cc not in triton_lang.INPUT_GRAD_TILES:
+        pytest.skip(f"SM{cc} has no W4A16 input-gradient kernel (W4A16 backward: SM80-SM90)")
+    _check(rng, fmt, groups=(150, 0, 3, 70, 1, 0, 40, 9), padding=37, h=256, f=128,
+           backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
+
+
+def test_bad_arguments_raise_naming_the_argument():
+    w_gate_up, w_down = (nvfp4.NVFP4Tensor(packed=jnp.zeros((2, n, k // 2), jnp.uint8),
+                                           scales=jnp.ones((2, n, k // 16), jnp.float8_e4m3fn),
+                                           global_scale=jnp.ones((2,), jnp.float32)) for n, k in ((128, 64), (64, 64)))
+    x, group_sizes = jnp.zeros((4, 64), jnp.bfloat16), jnp.asarray([1, 3], jnp.int32)
+    with pytest.raises(ValueError, match=r"^backend: str, expected a Backend"):
+        expert_mlp(x, group_sizes, w_gate_up, w_down, backend="pallas", compute_capability=90)
+    with pytest.raises(ValueError, match=r"^w_gate_up: NVFP4 weights, expected float masters with quantize"):
+        expert_mlp(x, group_sizes, w_gate_up, w_down, backend=PALLAS, compute_capability=90, quantize=nvfp4.quantize)
+    triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
+    with pytest.raises(ValueError, match=r"^interpret: True, expected False"):
+        expert_mlp(x, group_sizes, w_gate_up, w_down, backend=triton_lang.W4A16_BACKEND, compute_capability=90,
+                   interpret=True)
+

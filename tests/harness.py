@@ -76,6 +76,12 @@ def names(registered: tuple[str, ...]) -> list:
     return [pytest.param(n, id=n) for n in registered]
 
 
+def exchanges_that_run(devices_or_mesh, config: MoEConfig) -> tuple[str, ...]:
+    """The registered exchanges whose own ``cannot_run`` lets them run on ``devices_or_mesh``."""
+    target = target_for(devices_or_mesh, config)
+    return tuple(n for n in EXCHANGES if moe_jax.EXCHANGE[n].cannot_run(target, config) is None)
+
+
 def runnable_config(config: MoEConfig, devices_or_mesh, *, training: bool = False) -> MoEConfig:
     """``config`` with ``interpret=True`` where its expert GEMM cannot run here natively but can
     in the Pallas interpreter (``pallas`` on a CPU); otherwise ``config`` itself."""
@@ -179,15 +185,27 @@ def assert_same_stats(stats, stats_ref):
     np.testing.assert_allclose(stats["load_balance_loss"], stats_ref["load_balance_loss"], rtol=1e-5)
 
 
+#: The layer's tolerance against float64 where activations are quantized too (W4A4: NVFP4 rows,
+#: one global scale per row), as measured for that rounding (``MoEConfig.activation_scale``).
+W4A4_TOLERANCE = 0.15
+
+
+def tolerance_for(plan: Plan) -> float:
+    """Relative (Frobenius) error allowed against the float64 reference: bf16 rounding of the
+    SwiGLU output and of y (about 2^-8 each), or W4A4's where the plan quantizes activations."""
+    return W4A4_TOLERANCE if plan.activations.startswith("NVFP4") else 1e-2
+
+
 def check_against_reference(config: MoEConfig, devices_or_mesh, rng, tokens: int = 40, *, own_scales: bool = False,
                             tolerance: float = 1e-2, plan: Plan | None = None) -> Plan:
     """The layer against the float64 reference (``moe_jax.reference_forward``) on fresh random
     inputs: the compiled program runs only the chosen expert GEMM, the output is finite and within
     ``tolerance`` (relative, Frobenius), and a non-finite token changes no other token.
 
-    ``plan``: resolved already (else :func:`plan_or_skip`). Returns the plan.
+    ``plan``: resolved already (:func:`plan_or_skip`); else ``resolve(config, devices_or_mesh)``,
+    which raises where the choice cannot run. Returns the plan.
     """
-    plan = plan or plan_or_skip(config, devices_or_mesh)
+    plan = plan or resolve(config, devices_or_mesh)
     config = plan.config
     params, x = make(config, rng, tokens, own_scales=own_scales)
     hlo = FORWARD.lower(params, x, plan).compile().as_text()

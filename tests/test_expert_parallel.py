@@ -169,20 +169,24 @@ def test_skewed_routing(rng, cpu_devices, plan_for, exchange, skew):
     assert int(stats["dropped"]) == 0
 
 
+def probed_loss(params, x, r, plan):
+    """The output against a random probe ``r``, plus the load-balance loss."""
+    y, stats = moe_forward(params, x, plan)
+    return jnp.sum(y.astype(jnp.float32) * r) + stats["load_balance_loss"]
+
+
+#: Jitted once: every exchange's test shares the single-device gradient's compilation.
+GRAD = jit(jax.grad(probed_loss, argnums=(0, 1)), static_argnums=3)
+
+
 @pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 def test_gradients_match_single_device(rng, cpu_devices, plan_for, exchange):
     config = BASE
     params, x = make(config, rng, TOKENS)
     r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-
-    def loss(params, x, plan):
-        y, stats = moe_forward(params, x, plan)
-        return jnp.sum(y.astype(jnp.float32) * r) + stats["load_balance_loss"]
-
-    grad = jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-    g_ref = grad(params, x, resolve(config, cpu_devices[:1]))
+    g_ref = GRAD(params, x, r, resolve(config, cpu_devices[:1]))
     plan = plan_for(config, mesh_for(4, cpu_devices), exchange)
-    g = grad(shard_params(params, plan), x, plan)
+    g = GRAD(shard_params(params, plan), x, r, plan)
     # bf16 gradients of weights sum over tokens, here in another order (per device, then a
     # psum), so they differ by bf16 roundings of partial sums: compare norms, then elements.
     for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g), jax.tree.leaves(g_ref)):

@@ -33,17 +33,18 @@ EXPERT_GEMMS: tuple[str, ...] = moe_jax.EXPERT_GEMM.names()
 EXCHANGES: tuple[str, ...] = moe_jax.EXCHANGE.names()
 WEIGHT_FORMATS: tuple[str, ...] = tuple(moe_jax.WeightFormat)
 
+#: A small config for asking implementations where they run (exchanges do not look at its shape).
+PROBE_CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=128, expert_intermediate_size=64)
 # Which exchanges move tokens between devices and which keep every expert on one: asked of
 # each exchange's own cannot_run, for a GPU with an expert axis of 2 and for one device.
-_PROBE = MoEConfig(num_experts=8, top_k=2, hidden_size=128, expert_intermediate_size=64)
 _GPU = dict(platform="cuda", device_kind="NVIDIA H200", compute_capability=90)
 #: Exchanges that run under an expert-parallel mesh (on some machine).
 EP_EXCHANGES: tuple[str, ...] = tuple(
     n for n in EXCHANGES
-    if moe_jax.EXCHANGE[n].cannot_run(Target(**_GPU, num_devices=2, expert_parallel=2), _PROBE) is None)
+    if moe_jax.EXCHANGE[n].cannot_run(Target(**_GPU, num_devices=2, expert_parallel=2), PROBE_CONFIG) is None)
 #: Exchanges that run without a mesh (every expert on one device).
 LOCAL_EXCHANGES: tuple[str, ...] = tuple(
-    n for n in EXCHANGES if moe_jax.EXCHANGE[n].cannot_run(Target(**_GPU), _PROBE) is None)
+    n for n in EXCHANGES if moe_jax.EXCHANGE[n].cannot_run(Target(**_GPU), PROBE_CONFIG) is None)
 
 #: Every (expert_gemm, exchange, weight_format) the cross-product tests are generated for.
 COMBINATIONS: tuple[tuple[str, str, str], ...] = tuple(itertools.product(EXPERT_GEMMS, EXCHANGES, WEIGHT_FORMATS))

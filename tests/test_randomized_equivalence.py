@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from harness import FORWARD, exchanges_that_run, mesh_for
+from harness import FORWARD, PROBE_CONFIG, exchanges_that_run, mesh_for
 
 import sharding
 from moe_jax import EXCHANGE, MoEConfig, init_params, nvfp4, quantize_params, resolve, shard_params
@@ -30,9 +30,8 @@ REGRESSIONS: list[int] = []  # seeds of draws that once failed
 TOLERANCE = 2.5e-2  # relative per token, Frobenius: bf16 activations, weights and SwiGLU rounding
 TIE = 1e-3
 # The exchanges a draw may pick: every registered one that runs on XLA:CPU, under a mesh or without.
-_PROBE = MoEConfig(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=32)
-MESH_EXCHANGES = exchanges_that_run(mesh_for(2, jax.devices("cpu"), 1), _PROBE)
-LOCAL_EXCHANGES = exchanges_that_run(jax.devices("cpu")[:1], _PROBE)
+MESH_EXCHANGES = exchanges_that_run(mesh_for(2, jax.devices("cpu"), 1), PROBE_CONFIG)
+LOCAL_EXCHANGES = exchanges_that_run(jax.devices("cpu")[:1], PROBE_CONFIG)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import synthetic_checkpoint as sc
 from flax import nnx
+from harness import FORWARD, jit, random_params
 
 import moe_jax
 import sharding
-from moe_jax import MoE, MoEConfig, init_params, moe_forward, nvfp4, resolve, router
+from moe_jax import MoE, MoEConfig, moe_forward, nvfp4, resolve, router
 from moe_jax.checkpoint import load_moe_layer
 from moe_jax.layer import reference_forward, shard_params
 from moe_jax.module import InputScale
@@ -115,12 +116,11 @@ def relative(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def make(rng, tokens=48):
+def make_calibrated(rng, tokens=48):
     """Random params (bias too) and tokens, with input scales calibrated on these tokens: the
     amax of each expert's inputs over ``6 * 448``, gate's or up's (by expert) that value and the
     other a smaller one, so that only their maximum is calibrated."""
-    params = init_params(CONFIG, jax.random.key(int(rng.integers(1 << 30))))
-    params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(CONFIG.num_experts) * 0.3, jnp.float32)
+    params = random_params(CONFIG, rng)
     # Channels of different sizes, as real activations have (outlier channels).
     x = jnp.asarray(rng.standard_normal((tokens, CONFIG.hidden_size)) * rng.lognormal(0, 0.7, CONFIG.hidden_size),
                     jnp.bfloat16)
@@ -147,7 +147,7 @@ def forward(params, x, config, mesh=None):
     plan = resolve(config, mesh)
     if mesh is not None:
         params = shard_params(params, plan)
-    return np.asarray(jax.jit(moe_forward, static_argnums=2)(params, x, plan)[0], np.float64)
+    return np.asarray(FORWARD(params, x, plan)[0], np.float64)
 
 
 # --- quantize_rows with a static global scale ------------------------------------------------------
@@ -203,7 +203,7 @@ def test_bad_static_scales_raise_naming_the_argument(global_m, message):
 
 @pytest.mark.parametrize("activation_scale", ["checkpoint", "dynamic"])
 def test_w4a4_reference_matches_a_float64_model_when_calibrated(rng, activation_scale):
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     config = dataclasses.replace(CONFIG, activation_scale=activation_scale)
     got = forward(params, x, config)
     want, _ = w4a4_layer_np(params, x, config, static=activation_scale == "checkpoint")
@@ -218,7 +218,7 @@ def test_w4a4_reference_matches_a_float64_model_when_calibrated(rng, activation_
 def test_checkpoint_and_dynamic_differ_when_the_scales_are_off(rng):
     """Input scales 4x too small saturate what the checkpoint's rule quantizes (and the model
     of that rule agrees); dynamic scales do not read them at all."""
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     params = off_by(params, np.full(CONFIG.num_experts, 0.25))
     exact = reference_forward(params, np.asarray(x, np.float64), CONFIG)
     checkpoint = forward(params, x, dataclasses.replace(CONFIG, activation_scale="checkpoint"))
@@ -229,7 +229,7 @@ def test_checkpoint_and_dynamic_differ_when_the_scales_are_off(rng):
 
 
 def test_auto_takes_the_checkpoint_s_scales_when_the_params_carry_them(rng):
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     params = off_by(params, rng.uniform(0.2, 1.0, CONFIG.num_experts))
     auto = dataclasses.replace(CONFIG, activation_scale="auto")
     np.testing.assert_array_equal(forward(params, x, auto),
@@ -241,7 +241,7 @@ def test_auto_takes_the_checkpoint_s_scales_when_the_params_carry_them(rng):
 
 
 def test_activation_scales_change_nothing_where_activations_are_not_quantized(rng):
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     params = off_by(params, np.full(CONFIG.num_experts, 0.25))
     w4a16 = dataclasses.replace(CONFIG, reference_activations="bf16", activation_scale="checkpoint")
     without = {group: leaves for group, leaves in params.items() if group != "input_scales"}
@@ -250,7 +250,7 @@ def test_activation_scales_change_nothing_where_activations_are_not_quantized(rn
 
 
 def test_checkpoint_without_input_scales_raises_naming_them_and_the_field(rng):
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     config = dataclasses.replace(CONFIG, activation_scale="checkpoint")
     message = (r"^params\['input_scales'\]: no 'gate_e', 'up_e', 'down_e' \(the routed experts' input_scale\), "
                r"expected with MoEConfig.activation_scale='checkpoint'")
@@ -268,13 +268,13 @@ def test_checkpoint_without_input_scales_raises_naming_them_and_the_field(rng):
 def test_w4a4_reference_gradients_pass_the_rounding_straight_through(rng):
     """The activations' rounding is the identity backwards (as ``qat``'s weights'), so the input
     gradient is near the W4A16 one; without that it would miss the routed experts entirely."""
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
 
     def input_grad(config):
         plan = resolve(config, training=True)
         loss = lambda x: jnp.sum(moe_forward(params, x, plan)[0].astype(jnp.float32) * cotangent)
-        return np.asarray(jax.jit(jax.grad(loss))(x.astype(jnp.float32)), np.float64)
+        return np.asarray(jit(jax.grad(loss))(x.astype(jnp.float32)), np.float64)
 
     w4a16 = input_grad(dataclasses.replace(CONFIG, reference_activations="bf16"))
     for activation_scale in ("checkpoint", "dynamic"):
@@ -285,21 +285,21 @@ def test_w4a4_reference_gradients_pass_the_rounding_straight_through(rng):
 def test_expert_parallel_w4a4_reference_equals_one_device(rng, cpu_devices):
     """Each device quantizes its experts' rows against its experts' scales: with scales that
     differ by expert (half of them 4x too small), any mix-up would change the output."""
-    params, x = make(rng, tokens=8 * 6 + 3)
+    params, x = make_calibrated(rng, tokens=8 * 6 + 3)
     params = off_by(params, np.where(np.arange(CONFIG.num_experts) % 2, 0.25, 1.0))
-    for activation_scale in ("checkpoint", "dynamic"):
+    # The checkpoint's scales, which are per expert, on two meshes; dynamic scales, which read
+    # only the row, on one (there is nothing per expert to mix up).
+    for activation_scale, ep in (("checkpoint", 8), ("checkpoint", 4), ("dynamic", 4)):
         config = dataclasses.replace(CONFIG, activation_scale=activation_scale)
         one = forward(params, x, config)
-        for ep in (8, 4):
-            mesh = sharding.make_mesh(ep, data_parallel=8 // ep, devices=cpu_devices)
-            got = forward(params, x, config, mesh)
-            # The same rows, the same arithmetic: at most a bf16 rounding apart (XLA's blocking
-            # of float32 sums may differ with the row count).
-            assert relative(got, one) < 2e-3, (activation_scale, ep)
+        got = forward(params, x, config, sharding.make_mesh(ep, data_parallel=8 // ep, devices=cpu_devices))
+        # The same rows, the same arithmetic: at most a bf16 rounding apart (XLA's blocking of
+        # float32 sums may differ with the row count).
+        assert relative(got, one) < 2e-3, (activation_scale, ep)
 
 
 def test_the_module_keeps_input_scales_as_untrained_variables(rng, cpu_devices):
-    params, x = make(rng)
+    params, x = make_calibrated(rng)
     config = dataclasses.replace(CONFIG, activation_scale="checkpoint")
     layer = MoE(config, rngs=nnx.Rngs(0), params=params)
     kept = layer.params()["input_scales"]
@@ -315,7 +315,8 @@ def test_the_module_keeps_input_scales_as_untrained_variables(rng, cpu_devices):
     sharded = MoE(config, rngs=nnx.Rngs(0), mesh=mesh, params=layer.params())
     gate_e = sharded.params()["input_scales"]["gate_e"]
     assert gate_e.sharding.spec[0] == config.expert_axis
-    assert relative(np.asarray(sharded(x)[0], np.float64), forward(params, x, config)) < 2e-3
+    on_mesh = nnx.jit(lambda m, x: m(x)[0])(sharded, x)
+    assert relative(np.asarray(on_mesh, np.float64), forward(params, x, config)) < 2e-3
     assert "input_scales" not in MoE(CONFIG, rngs=nnx.Rngs(0)).params()
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import PROBE_CONFIG, exchanges_that_run, mesh_for
 
 from moe_jax import cli
 
@@ -83,7 +84,7 @@ def test_ep_that_divides_and_fits_resolves(capsys):
     assert "8 x cpu" in capsys.readouterr().out
 
 
-def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys):
+def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys, cpu_devices):
     import jax  # noqa: PLC0415
     import moe_jax.selftest as selftest  # noqa: PLC0415
 
@@ -97,14 +98,14 @@ def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys):
     assert "  exchange: padded  (requested 'auto'; auto: XLA:CPU has no ragged_all_to_all; padded buffers follow the load)" in lines
     table = lines.index("| check | implementation | mode | exchange | devices | capability | shape | weights | compared "
                         "| rel. error | tolerance | result | time (ms) |")
-    rows = [line.split(" | ")[:9] for line in lines[table + 2:table + 6]]
-    assert [row[:8] for row in rows] == [
-        ["| experts", "xla", "ragged_dot", "-", "1", "cpu", "small", "bf16"],
-        ["| layer", "xla", "ragged_dot", "none", "1", "cpu", "small", "bf16"],
-        ["| layer", "xla", "ragged_dot", "padded", "8", "cpu", "small", "bf16"],
-        ["| layer", "xla", "ragged_dot", "allgather", "8", "cpu", "small", "bf16"],
-    ]
-    assert all("| PASS |" in line for line in lines[table + 2:table + 6])
-    assert lines[table + 6:table + 9] == ["", "Not run here:", "- full-size (kimi_k2) cases: skipped (--quick)"]
-    assert any("XLA:CPU does not implement ragged_all_to_all" in line for line in lines[table + 9:])
-    assert lines[-1] == "all 4 checks passed"
+    # The layer with every exchange XLA:CPU runs: without a mesh on one device, else on all 8.
+    layers = [[e, "1"] for e in exchanges_that_run(cpu_devices[:1], PROBE_CONFIG)] + [
+        [e, "8"] for e in exchanges_that_run(mesh_for(8, cpu_devices, 1), PROBE_CONFIG)]
+    end = table + 3 + len(layers)
+    rows = [line.split(" | ")[:9] for line in lines[table + 2:end]]
+    assert [row[:8] for row in rows] == [["| experts", "xla", "ragged_dot", "-", "1", "cpu", "small", "bf16"]] + [
+        ["| layer", "xla", "ragged_dot", *exchange_devices, "cpu", "small", "bf16"] for exchange_devices in layers]
+    assert all("| PASS |" in line for line in lines[table + 2:end])
+    assert lines[end:end + 3] == ["", "Not run here:", "- full-size (kimi_k2) cases: skipped (--quick)"]
+    assert any("XLA:CPU does not implement ragged_all_to_all" in line for line in lines[end + 3:])
+    assert lines[-1] == f"all {len(layers) + 1} checks passed"

@@ -22,29 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+    EP_EXCHANGES, FORWARD, LOCAL_EXCHANGES, assert_same_output, assert_same_stats, jit, make, mesh_for, names,
+    swap_exchange,
+)
 from jax.sharding import PartitionSpec as P
 
 import moe_jax
 import sharding
-from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, resolve
+from moe_jax import MoEConfig, ResolutionError, moe_forward, resolve
 from moe_jax.layer import param_shardings, shard_params
 
 E, H, F = 16, 32, 32
 TOKENS = 8 * 5 + 3  # not a multiple of the 8 devices: the layer pads
 BASE = MoEConfig(num_experts=E, top_k=2, hidden_size=H, expert_intermediate_size=F, num_shared_experts=1)
-
-
-def mesh_for(ep, devices):
-    return sharding.make_mesh(ep, data_parallel=len(devices) // ep, devices=devices)
-
-
-def make(config, rng, tokens=TOKENS):
-    params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
-    if config.router_bias:
-        params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
-    if config.weight_format == "nvfp4":
-        params = quantize_params(params)
-    return params, jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
 
 
 def emulated_ragged_all_to_all(violations):
@@ -75,57 +66,57 @@ def emulated_ragged_all_to_all(violations):
     return ragged_all_to_all
 
 
+#: Exchanges whose collective XLA:CPU lacks, and the emulation that stands in for it here.
+EMULATED = {"ragged": emulated_ragged_all_to_all}
+
+
 @pytest.fixture
 def plan_for(monkeypatch):
-    """``plan_for(config, mesh, exchange)``: a plan that runs ``exchange``, ragged emulated."""
+    """``plan_for(config, mesh, exchange)``: a plan that runs ``exchange`` (``"auto"``: what
+    resolution picks); an exchange that cannot run here runs on its emulation (:data:`EMULATED`)
+    or, without one, skips with its reason."""
     violations = []
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all(violations))
 
     def make_plan(config, mesh, exchange):
-        if exchange != "ragged":
+        try:
             return resolve(dataclasses.replace(config, exchange=exchange), mesh)
-        plan = resolve(dataclasses.replace(config, exchange="padded"), mesh)
-        decisions = tuple(dataclasses.replace(d, chosen="ragged") if d.stage == "exchange" else d for d in plan.decisions)
-        return dataclasses.replace(plan, decisions=decisions)
+        except ResolutionError as err:
+            if exchange not in EMULATED:
+                pytest.skip(str(err))
+            return swap_exchange(resolve(dataclasses.replace(config, exchange="auto"), mesh), exchange)
 
     yield make_plan
     assert violations == [0] * len(violations), "ragged metadata out of bounds or inconsistent"
 
 
-def forward(params, x, plan):
-    return jax.jit(moe_forward, static_argnums=2)(params, x, plan)
+def single_device(params, x, config, cpu_devices):
+    """The reference: ``config`` with the exchange ``auto`` picks on one device, so that the cases
+    of one (top-k, format) share its compilation."""
+    return FORWARD(params, x, resolve(dataclasses.replace(config, exchange="auto"), cpu_devices[:1]))
 
 
-def assert_same_output(y, y_ref):
-    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
-    scale = np.abs(y_ref).max(axis=-1, keepdims=True)
-    np.testing.assert_array_less(np.abs(y - y_ref), np.broadcast_to(2 * 2.0**-8 * scale, y.shape))
-
-
-def assert_same_stats(stats, stats_ref):
-    np.testing.assert_array_equal(stats["tokens_per_expert"], stats_ref["tokens_per_expert"])
-    assert int(stats["dropped"]) == int(stats_ref["dropped"])
-    np.testing.assert_allclose(stats["load_balance_loss"], stats_ref["load_balance_loss"], rtol=1e-5)
-
-
-# Every pair of (expert-parallel size, top-k, weight format) appears with padded (auto on
-# CPU); the other exchanges cover each size, top-k and format at least once.
-LATIN = [(2, 1, "bf16"), (2, 2, "nvfp4"), (2, 8, "bf16"), (4, 1, "nvfp4"), (4, 2, "bf16"), (4, 8, "nvfp4"),
-         (8, 1, "bf16"), (8, 2, "nvfp4"), (8, 8, "nvfp4"), (2, 8, "nvfp4"), (4, 1, "bf16"), (8, 2, "bf16")]
-CASES = [(1, "none", k, fmt) for k, fmt in ((1, "nvfp4"), (2, "bf16"), (8, "nvfp4"))]
-CASES += [(ep, "padded", k, fmt) for ep, k, fmt in LATIN]
-CASES += [(2, "allgather", 8, "bf16"), (4, "allgather", 2, "nvfp4"), (8, "allgather", 1, "bf16")]
-CASES += [(2, "ragged", 1, "bf16"), (4, "ragged", 8, "nvfp4"), (8, "ragged", 2, "bf16"), (8, "ragged", 8, "bf16")]
+# Every pair of (expert-parallel size, top-k) with the exchange auto picks here (padded on CPU),
+# each size and top-k with both weight formats; every registered exchange on each size, top-k
+# and format (the formats the other way round, so that no case repeats one of the grid's).
+AUTO_GRID = [(2, 1, "bf16"), (2, 2, "nvfp4"), (2, 8, "bf16"), (4, 1, "nvfp4"), (4, 2, "bf16"), (4, 8, "nvfp4"),
+             (8, 1, "bf16"), (8, 2, "nvfp4"), (8, 8, "nvfp4")]
+EACH = [(2, 1, "nvfp4"), (4, 8, "bf16"), (8, 2, "bf16")]
+CASES = [pytest.param(ep, "auto", k, fmt, id=f"{ep}-auto-{k}-{fmt}") for ep, k, fmt in AUTO_GRID]
+CASES += [pytest.param(ep, exchange, k, fmt, id=f"{ep}-{exchange}-{k}-{fmt}")
+          for exchange in EP_EXCHANGES for ep, k, fmt in EACH]
+CASES += [pytest.param(1, exchange, k, fmt, id=f"1-{exchange}-{k}-{fmt}")
+          for exchange in LOCAL_EXCHANGES for k, fmt in ((1, "nvfp4"), (2, "bf16"), (8, "nvfp4"))]
 
 
 @pytest.mark.parametrize("ep,exchange,top_k,weight_format", CASES)
 def test_matches_single_device(rng, cpu_devices, plan_for, ep, exchange, top_k, weight_format):
     config = dataclasses.replace(BASE, top_k=top_k, weight_format=weight_format)
-    params, x = make(config, rng)
-    y_ref, stats_ref = forward(params, x, resolve(config, cpu_devices[:1]))
+    params, x = make(config, rng, TOKENS)
+    y_ref, stats_ref = single_device(params, x, config, cpu_devices)
     plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
-    assert plan.exchange == exchange
-    y, stats = forward(shard_params(params, plan), x, plan)
+    assert exchange in ("auto", plan.exchange)
+    y, stats = FORWARD(shard_params(params, plan), x, plan)
     assert y.shape == x.shape and y.dtype == jnp.bfloat16
     assert_same_output(y, y_ref)
     assert_same_stats(stats, stats_ref)
@@ -158,40 +149,44 @@ def test_sliced_ragged_updates_match_padded(rng, cpu_devices, plan_for, min_upda
 def skewed(config, rng, chosen):
     """Sigmoid routing whose correction bias forces every token onto ``chosen`` experts."""
     config = dataclasses.replace(config, scoring="sigmoid", router_bias=True)
-    params, x = make(config, rng)
+    params, x = make(config, rng, TOKENS)
     params["router"]["bias_e"] = params["router"]["bias_e"].at[jnp.asarray(chosen)].add(100.0)
     return config, params, x
 
 
-@pytest.mark.parametrize("exchange", ["padded", "allgather", "ragged"])
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 @pytest.mark.parametrize("skew", ["one_expert", "one_device"])
 def test_skewed_routing(rng, cpu_devices, plan_for, exchange, skew):
     ep = 4
     top_k, chosen = {"one_expert": (1, [5]), "one_device": (3, [4, 5, 6, 7])}[skew]
     config, params, x = skewed(dataclasses.replace(BASE, top_k=top_k), rng, chosen)
-    y_ref, stats_ref = forward(params, x, resolve(config, cpu_devices[:1]))
+    y_ref, stats_ref = single_device(params, x, config, cpu_devices)
     assert set(np.flatnonzero(stats_ref["tokens_per_expert"])) <= set(chosen)
     plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
-    y, stats = forward(shard_params(params, plan), x, plan)
+    y, stats = FORWARD(shard_params(params, plan), x, plan)
     assert_same_output(y, y_ref)
     assert_same_stats(stats, stats_ref)
     assert int(stats["dropped"]) == 0
 
 
-@pytest.mark.parametrize("exchange", ["padded", "allgather", "ragged"])
+def probed_loss(params, x, r, plan):
+    """The output against a random probe ``r``, plus the load-balance loss."""
+    y, stats = moe_forward(params, x, plan)
+    return jnp.sum(y.astype(jnp.float32) * r) + stats["load_balance_loss"]
+
+
+#: Jitted once: every exchange's test shares the single-device gradient's compilation.
+GRAD = jit(jax.grad(probed_loss, argnums=(0, 1)), static_argnums=3)
+
+
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 def test_gradients_match_single_device(rng, cpu_devices, plan_for, exchange):
     config = BASE
-    params, x = make(config, rng)
+    params, x = make(config, rng, TOKENS)
     r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-
-    def loss(params, x, plan):
-        y, stats = moe_forward(params, x, plan)
-        return jnp.sum(y.astype(jnp.float32) * r) + stats["load_balance_loss"]
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
-    g_ref = grad(params, x, resolve(config, cpu_devices[:1]))
+    g_ref = GRAD(params, x, r, resolve(config, cpu_devices[:1]))
     plan = plan_for(config, mesh_for(4, cpu_devices), exchange)
-    g = grad(shard_params(params, plan), x, plan)
+    g = GRAD(shard_params(params, plan), x, r, plan)
     # bf16 gradients of weights sum over tokens, here in another order (per device, then a
     # psum), so they differ by bf16 roundings of partial sums: compare norms, then elements.
     for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g), jax.tree.leaves(g_ref)):
@@ -237,14 +232,18 @@ def expected_with_capacity(params, x, config, ep, data):
     return y + (silu(h[:, :F]) * h[:, F:]) @ sh_dn.T, dropped
 
 
-@pytest.mark.parametrize("exchange,ep", [("none", 1), ("padded", 4), ("allgather", 4), ("ragged", 4), ("ragged", 2)])
+# Each exchange where it runs; ragged also on a 2-device axis, where each device receives from
+# one peer only.
+@pytest.mark.parametrize("exchange,ep", [*(pytest.param(e, 1, id=f"{e}-1") for e in LOCAL_EXCHANGES),
+                                         *(pytest.param(e, 4, id=f"{e}-4") for e in EP_EXCHANGES),
+                                         pytest.param("ragged", 2, id="ragged-2")])
 def test_capacity_drops_are_counted_exactly(rng, cpu_devices, plan_for, exchange, ep):
     config, params, x = skewed(dataclasses.replace(BASE, top_k=2, capacity_factor=0.75), rng, [4, 5, 9])
     data = len(cpu_devices) // ep
     y_expected, dropped = expected_with_capacity(params, x, config, ep, data)
     assert dropped > 0
     plan = plan_for(config, mesh_for(ep, cpu_devices), exchange)
-    y, stats = forward(shard_params(params, plan), x, plan)
+    y, stats = FORWARD(shard_params(params, plan), x, plan)
     assert int(stats["dropped"]) == dropped
     err = np.linalg.norm(np.asarray(y, np.float64) - y_expected, axis=1) / np.linalg.norm(y_expected, axis=1)
     assert err.max() < 3e-2  # bf16 rounding of the SwiGLU output and of y, per token
@@ -252,7 +251,7 @@ def test_capacity_drops_are_counted_exactly(rng, cpu_devices, plan_for, exchange
 
 def test_shard_params_splits_expert_memory(rng, cpu_devices):
     config = dataclasses.replace(BASE, weight_format="nvfp4")
-    params, _ = make(config, rng)
+    params, _ = make(config, rng, TOKENS)
     plan = resolve(config, mesh_for(4, cpu_devices))
     placed = shard_params(params, plan)
     for leaf, host in zip(jax.tree.leaves(placed["experts"]), jax.tree.leaves(params["experts"])):
@@ -290,7 +289,7 @@ def test_auto_on_gpus_picks_by_size(ep, tokens, expected):
 
 
 def test_the_chosen_exchange_is_stamped_into_the_hlo(rng, cpu_devices):
-    params, x = make(BASE, rng)
+    params, x = make(BASE, rng, TOKENS)
     plan = resolve(dataclasses.replace(BASE, exchange="allgather"), mesh_for(4, cpu_devices))
-    text = jax.jit(moe_forward, static_argnums=2).lower(params, x, plan).as_text(debug_info=True)
+    text = FORWARD.lower(params, x, plan).as_text(debug_info=True)
     assert "moe_jax.exchange.allgather" in text and "moe_jax.exchange.padded" not in text

@@ -23,16 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import EP_EXCHANGES, WEIGHT_FORMATS, make, names
 
 import sharding
 from moe_jax import MoEConfig, moe_forward, resolve
 from moe_jax.layer import shard_params
-from test_expert_parallel import make
 
 CONFIG = MoEConfig(num_experts=32, top_k=4, hidden_size=256, expert_intermediate_size=128, num_shared_experts=1,
                    scoring="sigmoid", router_bias=True)
 EP = [pytest.param(2, marks=pytest.mark.gpu(count=2)), pytest.param(4, marks=pytest.mark.gpu(count=4))]
-EXCHANGES = ["ragged", "padded", "allgather"]
+WITNESS = "allgather"  # drops counted by the exchange that moves whole tokens, not rows
 
 
 def mesh(ep):
@@ -61,8 +61,8 @@ def assert_close(result, reference, dropped=0):
 
 
 @pytest.mark.parametrize("ep", EP)
-@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 def test_exchange_matches_one_gpu(rng, ep, exchange, weight_format):
     """Each exchange with the Pallas kernels under shard_map equals the layer on one GPU."""
     config = dataclasses.replace(CONFIG, weight_format=weight_format)
@@ -102,14 +102,14 @@ def test_ragged_gradients(rng, ep):
 
 
 @pytest.mark.parametrize("ep", EP)
-@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+@pytest.mark.parametrize("exchange", names(tuple(e for e in EP_EXCHANGES if e != WITNESS)))
 def test_capacity_drops_match_across_exchanges(rng, ep, exchange):
     """Drops are a property of the routing, not of the exchange: allgather is the witness."""
     config = dataclasses.replace(CONFIG, capacity_factor=0.5)
     params, x = make(config, rng, tokens=48 * ep)
     params["router"]["bias_e"] = params["router"]["bias_e"].at[:3].add(100.0)
     forward = jax.jit(moe_forward, static_argnums=2)
-    witness = resolve(dataclasses.replace(config, exchange="allgather"), mesh(ep))
+    witness = resolve(dataclasses.replace(config, exchange=WITNESS), mesh(ep))
     plan = resolve(dataclasses.replace(config, exchange=exchange), mesh(ep))
     assert plan.expert_gemm == "pallas" and witness.expert_gemm == "pallas", plan.report
     with jax.default_matmul_precision("highest"):  # same routing on both sides: see the module docstring

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import exchanges_that_run
 
 import sharding
 from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, resolve
@@ -20,7 +21,8 @@ from moe_jax.layer import shard_params
 
 CONFIG = MoEConfig(num_experts=16, top_k=4, hidden_size=32, expert_intermediate_size=32, num_shared_experts=1,
                    weight_format="nvfp4")
-EXCHANGES = ("padded", "allgather")
+# Every exchange XLA:CPU runs on this mesh (each says why not, e.g. ragged: no ragged_all_to_all).
+EXCHANGES = exchanges_that_run(sharding.make_mesh(4, data_parallel=2, devices=jax.devices("cpu")), CONFIG)
 
 # Each process loads the same host (numpy) parameters and tokens, places them on the global
 # 8-device mesh, runs the layer and gathers the output for process 0 to save.

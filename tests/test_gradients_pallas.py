@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import EP_EXCHANGES, names
 from jax.sharding import AbstractDevice, AbstractMesh
 from test_layer_triton import _needs_native_installed
 
@@ -146,7 +147,7 @@ def test_gpu_native_kernel_gradients_match_the_reference(rng, fmt):
 @pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.gpu(count=2)),
                                 pytest.param(4, marks=pytest.mark.gpu(count=4))])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "qat"])
-@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 def test_gpu_kernel_gradients_under_shard_map_with_every_exchange(rng, ep, exchange, fmt):
     plan = check_gradients(fmt, jax.devices(), rng, ep=ep, exchange=exchange, interpret=False, tokens=64 * ep + 3)
     assert plan.exchange == exchange

@@ -1,4 +1,6 @@
-"""The layer on the reference path against float64 oracles, plus bad input and isolation."""
+"""The layer against float64 oracles: with every expert GEMM and exchange (those that cannot run
+here skip with their reason), on the reference path with each preset's router; plus bad input
+and isolation."""
 
 import dataclasses
 import math
@@ -8,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import (
+    FORWARD, WEIGHT_FORMATS, check_against_reference, combinations, devices_for, make, plan_or_skip, rel_err, tolerance_for,
+)
 
 import moe_jax
-from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, reference_forward, resolve
+from moe_jax import MoEConfig, moe_forward, reference_forward, resolve
 
 TINY = dict(num_experts=8, hidden_size=64, expert_intermediate_size=32)
 CONFIGS = {
@@ -21,23 +26,25 @@ CONFIGS = {
 }
 
 
-def make(config, rng, tokens=24):
-    params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
-    if config.router_bias:
-        params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
-    if config.weight_format == "nvfp4":
-        params = quantize_params(params)
-    x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
-    return params, x
+PALLAS_SHAPE = dict(num_experts=8, top_k=2, hidden_size=128, expert_intermediate_size=64)
 
 
-def rel_err(y, ref, axis=None):
-    y = np.asarray(y, np.float64)
-    return np.linalg.norm(y - ref, axis=axis) / np.linalg.norm(ref, axis=axis)
+@pytest.mark.parametrize("expert_gemm,exchange,weight_format", combinations())
+def test_each_implementation_matches_the_float64_reference(rng, expert_gemm, exchange, weight_format):
+    """Every registered expert GEMM with every registered exchange and weight format, on this
+    machine's devices (an exchange between devices on an expert axis of 2), against the float64
+    reference; a Pallas-kernel GEMM runs in the interpreter where there is no GPU."""
+    config = MoEConfig.kimi_k2(**PALLAS_SHAPE, weight_format=weight_format, expert_gemm=expert_gemm,
+                               exchange=exchange)
+    where = devices_for(exchange, jax.devices())
+    plan = plan_or_skip(config, where)
+    check_against_reference(config, where, rng, plan=plan, tolerance=tolerance_for(plan))
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+# Kimi K2's router (sigmoid, correction bias, scaling) with both formats: the cross-product test
+# above, which takes the kimi_k2 preset.
+@pytest.mark.parametrize("name", [name for name in CONFIGS if name != "kimi"])
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
 def test_matches_the_float64_reference(rng, name, weight_format):
     config = dataclasses.replace(CONFIGS[name], weight_format=weight_format)
     params, x = make(config, rng)
@@ -46,7 +53,7 @@ def test_matches_the_float64_reference(rng, name, weight_format):
     # can be chosen differently from the float64 oracle's choice, which changes that token
     # entirely. The expert GEMMs take bf16 operands, which this setting does not change.
     with jax.default_matmul_precision("highest"):
-        y, stats = jax.jit(moe_forward, static_argnums=2)(params, x, resolve(config))
+        y, stats = FORWARD(params, x, resolve(config))
     ref = reference_forward(params, np.asarray(x, np.float64), config)
     assert y.shape == x.shape and y.dtype == jnp.bfloat16
     # bf16 rounding of the SwiGLU output and of y: about 2^-8 relative.
@@ -82,9 +89,8 @@ def test_leading_dimensions_are_kept(rng):
 def test_a_non_finite_token_changes_no_other_token(rng, poison, weight_format):
     config = dataclasses.replace(CONFIGS["kimi"], weight_format=weight_format)
     params, x = make(config, rng, tokens=32)
-    forward = jax.jit(moe_forward, static_argnums=2)
-    clean, _ = forward(params, x, resolve(config))
-    y, _ = forward(params, x.at[7, 3].set(poison), resolve(config))
+    clean, _ = FORWARD(params, x, resolve(config))
+    y, _ = FORWARD(params, x.at[7, 3].set(poison), resolve(config))
     others = np.arange(32) != 7
     np.testing.assert_array_equal(np.asarray(y)[others], np.asarray(clean)[others])
     assert np.isfinite(np.asarray(clean, np.float32)).all()

@@ -8,55 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import EP_EXCHANGES, FORWARD, WEIGHT_FORMATS, check_against_reference, jit, make, names
 
 import sharding
-from moe_jax import expert_gemm
-from moe_jax import (
-    MoEConfig, init_params, moe_forward, nvfp4, quantize_params, reference_forward, resolve, shard_params,
-)
+from moe_jax import MoEConfig, expert_gemm, moe_forward, nvfp4, reference_forward, resolve, shard_params
 
 SHAPE = dict(num_experts=8, top_k=3, hidden_size=128, expert_intermediate_size=64)
-
-
-def make(config, rng, tokens, *, own_scales=False):
-    """``own_scales``: NVFP4 gate and up quantized separately, up 3-10x larger, so each expert's
-    fused gate/up weight keeps two global scales (``[E, 2]``), as such a checkpoint loads."""
-    params = init_params(dataclasses.replace(config, weight_format="bf16"), jax.random.key(int(rng.integers(1 << 30))))
-    params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)
-    if config.weight_format == "nvfp4":
-        params = quantize_params(params)
-    if own_scales:
-        w_gate_up_egh = params["experts"]["w_gate_up_egh"]
-        gate, up = jnp.split(nvfp4.dequantize(w_gate_up_egh), 2, axis=1)
-        up = up * jnp.asarray(rng.uniform(3, 10, (config.num_experts, 1, 1)), jnp.float32)
-        params["experts"]["w_gate_up_egh"] = nvfp4.concat_rows(nvfp4.quantize(gate), nvfp4.quantize(up))
-        assert params["experts"]["w_gate_up_egh"].global_scale.shape == (config.num_experts, 2)
-    return params, jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.bfloat16)
-
-
-def check_against_reference(config, devices_or_mesh, rng, tokens=40, *, own_scales=False, implementation="pallas",
-                            tolerance=1e-2):
-    plan = resolve(config, devices_or_mesh)
-    assert plan.expert_gemm == implementation
-    params, x = make(config, rng, tokens, own_scales=own_scales)
-    forward = jax.jit(moe_forward, static_argnums=2)
-    hlo = forward.lower(params, x, plan).compile().as_text()
-    assert set(re.findall(r"moe_jax\.expert_gemm\.[a-z_]+", hlo)) == {f"moe_jax.expert_gemm.{implementation}"}
-    y, stats = forward(params, x, plan)
-    ref = reference_forward(params, np.asarray(x, np.float64), config)
-    y64 = np.asarray(y, np.float64)
-    assert np.isfinite(y64).all()
-    assert np.linalg.norm(y64 - ref) / np.linalg.norm(ref) < tolerance
-    # A non-finite token changes no other token.
-    y_nan, _ = forward(params, x.at[5].set(jnp.nan), plan)
-    keep = np.arange(tokens) != 5
-    np.testing.assert_array_equal(np.asarray(y_nan)[keep], np.asarray(y)[keep])
-
-
-@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
-def test_pallas_in_the_interpreter_matches_the_reference(rng, cpu_devices, weight_format):
-    config = MoEConfig.kimi_k2(**SHAPE, weight_format=weight_format, expert_gemm="pallas", interpret=True)
-    check_against_reference(config, cpu_devices[:1], rng)
 
 
 def test_pallas_in_the_interpreter_with_a_global_scale_per_gate_and_up_half(rng, cpu_devices):
@@ -78,18 +35,8 @@ def test_global_scale_per_half_under_an_expert_parallel_mesh(rng, cpu_devices):
     check_against_reference(config, mesh, rng, own_scales=True)
 
 
-@pytest.mark.parametrize("exchange,weight_format", [("padded", "bf16"), ("padded", "nvfp4"), ("allgather", "bf16"),
-                                                     ("allgather", "nvfp4")])
-def test_pallas_in_the_interpreter_under_an_expert_parallel_mesh(rng, cpu_devices, exchange, weight_format):
-    """The layer's shard_map with the interpreted kernels inside (see ``moe_jax.layer._check_vma``)."""
-    config = MoEConfig.kimi_k2(**{**SHAPE, "top_k": 2}, weight_format=weight_format, expert_gemm="pallas",
-                               exchange=exchange, interpret=True)
-    mesh = sharding.make_mesh(2, devices=cpu_devices[:2])
-    check_against_reference(config, mesh, rng)
-
-
-@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
-@pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
 def test_gpu_kernels_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exchange, weight_format):
     """The CPU twin of the GPU path under expert parallelism: the compiled (not interpreted)
     kernels inside the layer's ``shard_map(check_vma=True)``, traced for a 2 x H200 target.
@@ -107,12 +54,12 @@ def test_gpu_kernels_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exc
                                                for d in on_cpu.decisions))
     assert (plan.expert_gemm, plan.exchange, plan.config.interpret) == ("pallas", exchange, False)
     params, x = make(config, rng, tokens=40)
-    jaxpr = jax.jit(moe_forward, static_argnums=2).trace(params, x, plan).jaxpr
+    jaxpr = FORWARD.trace(params, x, plan).jaxpr
     [body] = [eqn.params["jaxpr"] for eqn in jaxpr.eqns if eqn.primitive.name == "shard_map"]
     assert "pallas_call" in str(body)  # the kernels run inside the shard_map
 
 
-@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 @pytest.mark.parametrize("qat", [False, True], ids=["bf16", "qat"])
 def test_gpu_kernel_gradients_trace_under_shard_map_with_vma_checks(rng, cpu_devices, exchange, qat):
     """As above for ``jax.grad`` with a training plan: the backward kernels (input and weight
@@ -132,7 +79,7 @@ def test_gpu_kernel_gradients_trace_under_shard_map_with_vma_checks(rng, cpu_dev
         y, stats = moe_forward(params, x, plan)
         return jnp.sum(y.astype(jnp.float32) ** 2) + stats["load_balance_loss"]
 
-    jaxpr = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).jaxpr
+    jaxpr = jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).jaxpr
     names = re.findall(r"name=(grouped_[a-z0-9_]+)", str(jaxpr))
     assert {"grouped_matmul_input_grad_bf16_decode", "grouped_weight_grad_bfloat16"} <= set(names) or (
         qat and {"grouped_matmul_input_grad_nvfp4_decode", "grouped_weight_grad_bfloat16"} <= set(names)), set(names)
@@ -170,7 +117,7 @@ def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(r
     h = np.asarray(x, np.float64) @ gate_up.T
     gate, up = np.split(h, 2, axis=1)
     ref = (gate / (1 + np.exp(-gate)) * up) @ down.T
-    y = np.asarray(jax.jit(expert_gemm.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
+    y = np.asarray(jit(expert_gemm.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
     dense = dataclasses.replace(plan, shared_kernel_max_tokens=0)
 
@@ -179,9 +126,9 @@ def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(r
 
     assert pallas_calls(plan) == pallas_calls(dense) + 2  # gate/up + SwiGLU and down, for the shared expert
     for p, scope in ((plan, "moe_jax.shared_expert.pallas"), (dense, "moe_jax.shared_expert.dense")):
-        hlo = jax.jit(moe_forward, static_argnums=2).lower(params, x, p).compile().as_text()
+        hlo = FORWARD.lower(params, x, p).compile().as_text()
         assert set(re.findall(r"moe_jax\.shared_expert\.[a-z_]+", hlo)) == {scope}
     layer_ref = reference_forward(params, np.asarray(x, np.float64), config)
     for p in (plan, dense):
-        y_layer = np.asarray(jax.jit(moe_forward, static_argnums=2)(params, x, p)[0], np.float64)
+        y_layer = np.asarray(FORWARD(params, x, p)[0], np.float64)
         assert np.linalg.norm(y_layer - layer_ref) / np.linalg.norm(layer_ref) < 1e-2

@@ -10,12 +10,13 @@ import importlib.util
 
 import jax
 import pytest
-from test_layer_pallas import SHAPE, check_against_reference
+from harness import EP_EXCHANGES, W4A4_TOLERANCE, check_against_reference, names
+from test_layer_pallas import SHAPE
 
 import sharding
 from moe_jax import MoEConfig, ResolutionError, resolve
 
-GPU_TOLERANCE = {"w4a16": 1e-2, "w4a4": 0.15}
+GPU_TOLERANCE = {"w4a16": 1e-2, "w4a4": W4A4_TOLERANCE}
 
 
 def _needs_native_installed():
@@ -83,14 +84,13 @@ def _mode() -> str:
 def test_triton_on_gpu_matches_the_reference(rng, own_scales):
     config = MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton")
     check_against_reference(config, jax.devices("gpu")[:1], rng, tokens=300, own_scales=own_scales,
-                            implementation="triton", tolerance=GPU_TOLERANCE[_mode()])
+                            tolerance=GPU_TOLERANCE[_mode()])
 
 
 @pytest.mark.gpu(count=2)
-@pytest.mark.parametrize("exchange", ["ragged", "padded", "allgather"])
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 def test_triton_on_two_gpus_under_an_expert_parallel_mesh(rng, exchange):
     config = MoEConfig.kimi_k2(**{**SHAPE, "top_k": 2}, weight_format="nvfp4", expert_gemm="triton",
                                exchange=exchange)
     mesh = sharding.make_mesh(2, devices=jax.devices("gpu")[:2])
-    check_against_reference(config, mesh, rng, tokens=300, implementation="triton",
-                            tolerance=GPU_TOLERANCE[_mode()])
+    check_against_reference(config, mesh, rng, tokens=300, tolerance=GPU_TOLERANCE[_mode()])

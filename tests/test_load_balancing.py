@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from harness import FORWARD, jit
+from harness import mesh_for as harness_mesh_for
 
 import moe_jax
-import sharding
 from moe_jax import MoEConfig, init_params, moe_forward, resolve
 from moe_jax.layer import shard_params
 from moe_jax.module import CorrectionBias
@@ -34,7 +35,7 @@ MESHES = {"1": (1, 1), "ep2": (2, 1), "ep4": (4, 1), "ep8": (8, 1), "ep2xdp4": (
 
 def mesh_for(name, cpu_devices):
     ep, dp = MESHES[name]
-    return None if ep * dp == 1 else sharding.make_mesh(ep, data_parallel=dp, devices=cpu_devices[: ep * dp])
+    return None if ep * dp == 1 else harness_mesh_for(ep, cpu_devices, dp)
 
 
 def reference(x_th, w_eh, bias_e, config):
@@ -94,7 +95,7 @@ def losses_and_router_grad(params, x, plan):
         return stats["load_balance_loss"] + stats["router_z_loss"], stats
 
     with jax.default_matmul_precision("highest"):
-        (_, stats), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params["router"]["w_eh"])
+        (_, stats), grad = jit(jax.value_and_grad(loss, has_aux=True))(params["router"]["w_eh"])
     return stats, grad
 
 
@@ -214,7 +215,7 @@ def test_a_non_finite_token_changes_neither_other_outputs_nor_the_statistics(rng
     plan = resolve(config, mesh if mesh is not None else cpu_devices[:1], training=True)
     if mesh is not None:
         params = shard_params(params, plan)
-    forward = jax.jit(moe_forward, static_argnums=2)
+    forward = FORWARD
     x = jnp.asarray(rng.standard_normal((TOKENS, H)), jnp.float32)
     bad = [3, 37]  # on different devices of the mesh
     poisoned = x.at[bad[0], 5].set(jnp.nan).at[bad[1], 0].set(jnp.inf)

@@ -20,14 +20,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from harness import FORWARD, PROBE_CONFIG, exchanges_that_run, mesh_for
 
 import sharding
-from moe_jax import EXCHANGE, MoEConfig, init_params, moe_forward, nvfp4, quantize_params, resolve, shard_params
+from moe_jax import EXCHANGE, MoEConfig, init_params, nvfp4, quantize_params, resolve, shard_params
 
 DRAWS = 24
 REGRESSIONS: list[int] = []  # seeds of draws that once failed
 TOLERANCE = 2.5e-2  # relative per token, Frobenius: bf16 activations, weights and SwiGLU rounding
 TIE = 1e-3
+# The exchanges a draw may pick: every registered one that runs on XLA:CPU, under a mesh or without.
+MESH_EXCHANGES = exchanges_that_run(mesh_for(2, jax.devices("cpu"), 1), PROBE_CONFIG)
+LOCAL_EXCHANGES = exchanges_that_run(jax.devices("cpu")[:1], PROBE_CONFIG)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
@@ -60,7 +64,7 @@ def draw(seed: int) -> Draw:
     devices = int(r.choice([1, 2, 4, 8]))
     tokens = int(r.choice([0, 1, 3, 17, 40]))
     lead = (tokens,) if r.random() < 0.5 or tokens in (0, 1) else (1, tokens)
-    exchanges = ["padded", "allgather"] if devices > 1 else ["none"]
+    exchanges = list(MESH_EXCHANGES if devices > 1 else LOCAL_EXCHANGES)
     return Draw(config=config, own_scales=fmt == "nvfp4" and bool(r.random() < 0.5), tokens=tokens, lead=lead,
                 devices=devices, exchange=str(r.choice(exchanges)), hot_expert=int(r.integers(num_experts)) if hot else None)
 
@@ -165,7 +169,7 @@ def test_drawn_layer_matches_float64(seed, cpu_devices):
         params = shard_params(params, plan)
     assert plan.exchange == d.exchange, plan.report
     with jax.default_matmul_precision("highest"):
-        y, stats = jax.jit(moe_forward, static_argnums=2)(params, x, plan)
+        y, stats = FORWARD(params, x, plan)
     y = np.asarray(y, np.float64).reshape(-1, config.hidden_size)
     assert y.shape == (d.tokens, config.hidden_size) and np.asarray(stats["tokens_per_expert"]).sum() == (
         d.tokens * config.top_k - int(stats["dropped"]))

@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import PROBE_CONFIG, exchanges_that_run, mesh_for
 
 from moe_jax import MoEConfig, cli, float64_reference, moe_forward, nvfp4, selftest
 from pallas_kernels.grouped_matmul import reference
@@ -130,7 +131,7 @@ def test_a_batch_mostly_near_routing_ties_fails(monkeypatch, cpu_devices, rng):
 # --- the command ------------------------------------------------------------------------------
 
 
-def test_the_json_document_reports_a_wrong_expert_and_the_exit_code_is_nonzero(monkeypatch, capsys):
+def test_the_json_document_reports_a_wrong_expert_and_the_exit_code_is_nonzero(monkeypatch, capsys, cpu_devices):
     def wrong_forward(params, x, plan):
         w_down_ehf = params["experts"]["w_down_ehf"]
         # Expert 3's output doubled (a product, not a scatter, so that it also works sharded).
@@ -143,7 +144,11 @@ def test_the_json_document_reports_a_wrong_expert_and_the_exit_code_is_nonzero(m
     assert cli.main(["selftest", "--quick", "--seed", "7", "--json"]) == 1
     captured = capsys.readouterr()
     doc = json.loads(captured.out)  # stdout is the document alone; the verdict goes to stderr
-    assert captured.err.strip().endswith("FAILED: 3 of 4 checks")
+    # The layer runs with every exchange XLA:CPU runs: without a mesh on one device, else on all 8.
+    layers = [("layer", e, 1, False) for e in exchanges_that_run(cpu_devices[:1], PROBE_CONFIG)] + [
+        ("layer", e, 8, False) for e in exchanges_that_run(mesh_for(8, cpu_devices, 1), PROBE_CONFIG)]
+    summary = f"FAILED: {len(layers)} of {len(layers) + 1} checks"
+    assert captured.err.strip().endswith(summary)
     assert doc["device_kind"] == "cpu" and doc["platform"] == "cpu" and doc["compute_capability"] is None
     assert doc["num_devices"] == 8 and doc["seed"] == 7 and doc["full_size"] is False
     assert set(doc["versions"]) == {"python", "jax", "jaxlib", "flax", "triton", "jax-triton", "moe-jax"}
@@ -153,12 +158,11 @@ def test_the_json_document_reports_a_wrong_expert_and_the_exit_code_is_nonzero(m
     fields = {f.name for f in dataclasses.fields(selftest.Result)}
     assert all(set(r) == fields | {"passed"} for r in doc["results"])
     assert [(r["check"], r["exchange"], r["devices"], r["passed"]) for r in doc["results"]] == [
-        ("experts", "-", 1, True),  # the stage is right: the layer's weights are wrong
-        ("layer", "none", 1, False), ("layer", "padded", 8, False), ("layer", "allgather", 8, False)]
+        ("experts", "-", 1, True), *layers]  # the stage is right: the layer's weights are wrong
     for r in doc["results"][1:]:
         assert r["failure"] == "" and r["error"] > 3 * r["tolerance"], r
         assert r["compared"] + r["excluded"] == selftest.SMALL.tokens and r["ms"] > 0
-    assert doc["passed"] is False and doc["summary"] == "FAILED: 3 of 4 checks"
+    assert doc["passed"] is False and doc["summary"] == summary
     assert doc["notes"] == ["full-size (kimi_k2) cases: skipped (--quick)"]
     why = {n["case"]: n["why"] for n in doc["not_run"]}
     assert "XLA:CPU does not implement ragged_all_to_all" in why["layer xla bf16 small, 8 devices, exchange ragged"]

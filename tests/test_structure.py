@@ -124,3 +124,34 @@ def test_the_config_loads_no_kernels_or_collectives():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", str(sorted(eval(heavy)))], out.stdout
+
+
+def test_every_registered_implementation_is_in_the_harness_parametrization():
+    """The cross-product tests come from the registries: every name of EXPERT_GEMM and EXCHANGE
+    (and every weight format) is in ``tests/harness.py``'s combinations, every exchange runs
+    either without a mesh or under one there, and no test module outside the harness writes out
+    a registry's full list of names (a newly registered implementation would miss its tests)."""
+    import harness  # noqa: PLC0415 (tests/ is on sys.path under pytest)
+    import moe_jax  # noqa: PLC0415
+
+    generated = {axis: {combination[i] for combination in harness.COMBINATIONS}
+                 for i, axis in enumerate(("expert_gemm", "exchange", "weight_format"))}
+    assert generated["expert_gemm"] == set(moe_jax.EXPERT_GEMM.names())
+    assert generated["exchange"] == set(moe_jax.EXCHANGE.names())
+    assert generated["weight_format"] == set(moe_jax.WeightFormat)
+    assert set(harness.EP_EXCHANGES) | set(harness.LOCAL_EXCHANGES) == set(moe_jax.EXCHANGE.names())
+    ids = {p.id for p in harness.combinations()}
+    assert len(ids) == len(harness.COMBINATIONS) == len(set(harness.COMBINATIONS))
+
+    full_lists = {"EXPERT_GEMM": set(moe_jax.EXPERT_GEMM.names()), "EXCHANGE": set(moe_jax.EXCHANGE.names()),
+                  "expert-parallel exchanges": set(harness.EP_EXCHANGES)}
+    written_out = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "harness.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                strings = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                written_out += [f"{path.relative_to(ROOT)}:{node.lineno}: {which}"
+                                for which, names in full_lists.items() if len(names) > 1 and names <= strings]
+    assert not written_out, "lists of every registered name (take them from tests/harness.py):\n" + "\n".join(written_out)

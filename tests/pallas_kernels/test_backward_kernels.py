@@ -182,7 +182,7 @@ def test_bounds_check_sees_unclipped_groups_in_the_weight_grad(rng, monkeypatch)
     def unclipped(group_sizes_e, *, num_rows):
         return bounds(group_sizes_e, num_rows=2**30)
 
-    monkeypatch.setattr(triton_backend, "group_bounds", unclipped)
+    monkeypatch.setattr(pallas_triton, "group_bounds", unclipped)
     jax.clear_caches()
     try:
         x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)

@@ -50,6 +50,9 @@ def _cuda_devices():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow tests first (in their order), so that xdist's workers do not end on them, one
+    # worker idle while the other runs a long test.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     gpus = len(_cuda_devices())
     for item in items:
         marker = item.get_closest_marker("gpu")

@@ -112,6 +112,7 @@ def soak(config: MoEConfig, device, rng, *, calls: int = CALLS, max_tokens: int 
     return figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
     figures = soak(dataclasses.replace(CONFIG, weight_format=weight_format), cpu_devices[0], rng, calls=CPU_CALLS,

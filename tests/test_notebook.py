@@ -3,11 +3,13 @@
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "examples" / "kimi_layer.ipynb"
 
 
+@pytest.mark.slow
 def test_kimi_layer_notebook_runs(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     assert not any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \

@@ -1,6 +1,7 @@
 """Serving load: bucketed token counts (``moe_jax.serving``) under ``nnx.jit``.
 
-The soak calls the NNX module :data:`CALLS` times with token counts drawn from 1 to 8192,
+The soak calls the NNX module :data:`CALLS` times with token counts drawn from 1 to 8192 (on CPU
+:data:`CPU_CALLS` times, up to :data:`CPU_MAX_TOKENS`),
 bf16 and NVFP4, padded on the host to :func:`~moe_jax.serving.token_buckets` (as a server pads
 what it receives): the layer compiles at most
 once per bucket, the live device memory does not grow after the first round of buckets, and
@@ -24,6 +25,9 @@ from moe_jax import MoE, MoEConfig, moe_forward, reference_forward, resolve, ser
 CONFIG = MoEConfig(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=32, num_shared_experts=1,
                    scoring="sigmoid", router_bias=True, expert_gemm="xla")
 CALLS, MAX_TOKENS = 1000, 8192
+# On CPU the soak compiles the layer once per bucket and format (seconds each): 500 calls of up to
+# 2048 tokens, 8 buckets, hold the same checks (the GPU runs the full soak).
+CPU_CALLS, CPU_MAX_TOKENS = 500, 2048
 
 
 def test_buckets_and_padding():
@@ -108,8 +112,10 @@ def soak(config: MoEConfig, device, rng, *, calls: int = CALLS, max_tokens: int 
     return figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_format", ["bf16", "nvfp4"])
 def test_soak_of_bucketed_calls(rng, cpu_devices, weight_format, record_property):
-    figures = soak(dataclasses.replace(CONFIG, weight_format=weight_format), cpu_devices[0], rng)
+    figures = soak(dataclasses.replace(CONFIG, weight_format=weight_format), cpu_devices[0], rng, calls=CPU_CALLS,
+                   max_tokens=CPU_MAX_TOKENS)
     for name, value in figures.items():
         record_property(name, value)

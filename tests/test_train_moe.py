@@ -24,6 +24,7 @@ def train_moe():
     return module
 
 
+@pytest.mark.slow
 def test_loss_falls_and_a_resumed_run_repeats_the_uninterrupted_one(train_moe, tmp_path, capsys):
     plot, checkpoints = tmp_path / "loss.png", tmp_path / "checkpoints"
     full = train_moe.main(TINY + ["--plot", str(plot), "--checkpoint-dir", str(checkpoints), "--save-every", "15"])
@@ -73,6 +74,7 @@ def test_resume_needs_a_checkpoint(train_moe, tmp_path, capsys):
     assert f"--resume: no checkpoint in {tmp_path / 'empty'}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_qat_loss_falls(train_moe, capsys):
     """``--qat``: the experts' bf16 masters train through their NVFP4 quantization."""
     losses = train_moe.main(TINY[:1] + ["20"] + TINY[2:] + ["--qat", "--devices", "2"])

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
@@ -42,6 +43,7 @@ def _check_timed(row: dict, bound: float) -> None:
     assert math.isfinite(row["err"]) and row["err"] < bound, row
 
 
+@pytest.mark.slow
 def test_smoke_steps_and_gemms(tmp_path):
     """bf16 and NVFP4 (frozen) expert MLP steps and every GEMM alone; provenance; the page."""
     data = _run(tmp_path, "--nvfp4")
@@ -76,6 +78,7 @@ def test_smoke_steps_and_gemms(tmp_path):
     assert len(versus_torch) == 2 and all(g["value"] is None and not g["met"] for g in versus_torch)
 
 
+@pytest.mark.slow
 def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
     data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2")
     bound = data["meta"]["max_err"]

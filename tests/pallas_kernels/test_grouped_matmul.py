@@ -32,19 +32,30 @@ class Case:
     groups: tuple[int, ...]
 
 
+# In the interpreter each distinct shape costs seconds of compilation per kernel (and per input
+# generator), while the group sizes are read at run time: so the cases share one shape, which
+# has rows that are not a tile multiple, two K steps for the prefill tiles, three N tiles and five
+# experts, and differ in their group sizes; "minimum_k_and_n" is the one smallest shape.
 CASES = {
+    "empty_and_one_row_groups": Case(m=37, k=128, n=48, groups=(0, 1, 17, 0, 5)),
+    "m_not_a_tile_multiple": Case(m=37, k=128, n=48, groups=(20, 9, 0, 0, 8)),
+    "all_rows_in_one_group": Case(m=37, k=128, n=48, groups=(0, 37, 0, 0, 0)),
+    "minimum_k_and_n": Case(m=5, k=64, n=16, groups=(3, 0, 2)),
+    "last_expert_empty_and_padding_rows": Case(m=37, k=128, n=48, groups=(9, 20, 0, 3, 0)),
+    # Malformed group sizes must not move any access out of bounds either.
+    "groups_sum_past_the_rows": Case(m=37, k=128, n=48, groups=(30, 30, 0, 0, 0)),
+    "negative_group_size": Case(m=37, k=128, n=48, groups=(-5, 12, 7, 0, 3)),
+}
+# On a GPU (compilation is cheap there) each case has a shape of its own, and multi-step K loops
+# with several tiles per expert run natively only (interpret mode is too slow).
+GPU_CASES = {
     "empty_and_one_row_groups": Case(m=24, k=128, n=32, groups=(0, 1, 17, 0, 5)),
     "m_not_a_tile_multiple": Case(m=37, k=64, n=48, groups=(20, 9, 8)),
     "all_rows_in_one_group": Case(m=40, k=128, n=32, groups=(0, 40, 0)),
     "minimum_k_and_n": Case(m=5, k=64, n=16, groups=(3, 0, 2)),
     "last_expert_empty_and_padding_rows": Case(m=37, k=64, n=32, groups=(9, 20, 0)),
-    # Malformed group sizes must not move any access out of bounds either.
     "groups_sum_past_the_rows": Case(m=40, k=64, n=32, groups=(30, 30)),
     "negative_group_size": Case(m=24, k=64, n=32, groups=(-5, 12, 7)),
-}
-# Multi-step K loops and several tiles per expert, native only (interpret mode is too slow).
-GPU_CASES = {
-    **CASES,
     "several_k_steps_and_row_tiles": Case(m=700, k=2048, n=512, groups=(0, 300, 1, 0, 250, 33, 100, 16)),
 }
 
@@ -208,7 +219,7 @@ def test_poisoned_output_detects_an_unwritten_tile(rng):
     """The poison check itself: skipping the last row tile leaves NaN that the check reports."""
     case = CASES["all_rows_in_one_group"]
     x, w, group_sizes = _inputs(rng, case, "bf16", Op.MATMUL)
-    short = jnp.asarray([0, case.m - 8, 0], jnp.int32)  # The kernel sees 8 fewer rows ...
+    short = jnp.asarray([0, case.m - 8, 0, 0, 0], jnp.int32)  # The kernel sees 8 fewer rows ...
     out = grouped_matmul(x, w, short, compute_capability=90, interpret=True,
                          out=jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16))
     with pytest.raises(AssertionError, match="unwritten"):
@@ -232,9 +243,10 @@ def test_bounds_check_sees_a_broken_schedule(rng, monkeypatch):
                                check_bounds=True)
     finally:
         jax.clear_caches()
-    # Expert 1 now owns rows 30..59 of a 40-row x: storing its rows 40..59 alone is 20 x N lanes
+    # Expert 1 now owns rows 30..59 of a 37-row x: storing its rows 37..59 alone is 23 x N lanes
     # outside out (the reads of x add more, as many as the tiling makes).
-    assert int(out_of_bounds[0]) >= 20 * case.n
+    assert case.groups[:2] == (30, 30) and case.m == 37
+    assert int(out_of_bounds[0]) >= 23 * case.n
 
 
 def test_bounds_check_needs_interpret_mode(rng):
@@ -298,8 +310,9 @@ def test_exact_dequantization_matches_reference(rng):
     t = nvfp4.quantize(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32))
     scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
     want = reference.dequantize(t.packed, t.scales, t.global_scale)
+    dequantize_tile = jax.jit(pallas_triton.dequantize_tile, static_argnums=(2, 3))  # one compilation, not one per op
     for i in range(e):
-        tile = pallas_triton.dequantize_tile(t.packed[i], scales_u8[i], Dequant.EXACT, pallas_triton.Order.MODELOPT)
+        tile = dequantize_tile(t.packed[i], scales_u8[i], Dequant.EXACT, pallas_triton.Order.MODELOPT)
         got = np.asarray(tile.astype(jnp.float32), np.float64) * 2.0**pallas_triton.OPERAND_EXPONENT_DEFICIT
         np.testing.assert_array_equal(got * float(t.global_scale[i]), want[i])
 
@@ -308,7 +321,8 @@ def test_fragment_order_is_a_consistent_permutation_of_k(rng):
     n, k = 16, 128
     t = nvfp4.quantize(jnp.asarray(rng.standard_normal((1, n, k)), jnp.float32))
     scales_u8 = jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
-    tiles = {order: pallas_triton.dequantize_tile(t.packed[0], scales_u8[0], Dequant.EXACT, order)
+    dequantize_tile = jax.jit(pallas_triton.dequantize_tile, static_argnums=(2, 3))  # one compilation, not one per op
+    tiles = {order: dequantize_tile(t.packed[0], scales_u8[0], Dequant.EXACT, order)
              for order in pallas_triton.Order}
     np.testing.assert_array_equal(np.asarray(tiles[pallas_triton.Order.FRAGMENT]),
                                   np.asarray(pallas_triton.permute_k(tiles[pallas_triton.Order.MODELOPT])))

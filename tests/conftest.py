@@ -28,7 +28,9 @@ os.environ["XLA_FLAGS"] = " ".join(
      *(["--xla_backend_optimization_level=0"] if _NO_GPU else [])]
 ).strip()
 _OWN_CACHE_DIR = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# Likewise the cache: the GPU check runs each program once, and its Triton kernels need not
+# take a path the CPU suite never exercised.
+if _NO_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-jax-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 

@@ -49,20 +49,9 @@ LOCAL_EXCHANGES: tuple[str, ...] = tuple(
 #: Every (expert_gemm, exchange, weight_format) the cross-product tests are generated for.
 COMBINATIONS: tuple[tuple[str, str, str], ...] = tuple(itertools.product(EXPERT_GEMMS, EXCHANGES, WEIGHT_FORMATS))
 
-#: XLA:CPU's LLVM optimization is most of the time it takes to compile a test's layer (the
-#: programs are small and run in milliseconds): level 0 compiles them about twice as fast, with
-#: the same results (XLA's own HLO passes, which decide fusion and numerics, run at every level).
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-
-
-def jit(fn, **kwargs):
-    """``jax.jit`` with :data:`COMPILER_OPTIONS`."""
-    return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
-
-
 #: The layer jitted once for every test: a plan is a static, hashable argument, so tests that
 #: run the same config on the same devices share one compilation.
-FORWARD = jit(moe_forward, static_argnums=2)
+FORWARD = jax.jit(moe_forward, static_argnums=2)
 
 
 def combinations(*, expert_gemms=EXPERT_GEMMS, exchanges=EXCHANGES, weight_formats=WEIGHT_FORMATS) -> list:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import synthetic_checkpoint as sc
 from flax import nnx
-from harness import FORWARD, jit, random_params
+from harness import FORWARD, random_params
 
 import moe_jax
 import sharding
@@ -274,7 +274,7 @@ def test_w4a4_reference_gradients_pass_the_rounding_straight_through(rng):
     def input_grad(config):
         plan = resolve(config, training=True)
         loss = lambda x: jnp.sum(moe_forward(params, x, plan)[0].astype(jnp.float32) * cotangent)
-        return np.asarray(jit(jax.grad(loss))(x.astype(jnp.float32)), np.float64)
+        return np.asarray(jax.jit(jax.grad(loss))(x.astype(jnp.float32)), np.float64)
 
     w4a16 = input_grad(dataclasses.replace(CONFIG, reference_activations="bf16"))
     for activation_scale in ("checkpoint", "dynamic"):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import (
-    EP_EXCHANGES, FORWARD, LOCAL_EXCHANGES, assert_same_output, assert_same_stats, jit, make, mesh_for, names,
+    EP_EXCHANGES, FORWARD, LOCAL_EXCHANGES, assert_same_output, assert_same_stats, make, mesh_for, names,
     swap_exchange,
 )
 from jax.sharding import PartitionSpec as P
@@ -176,7 +176,7 @@ def probed_loss(params, x, r, plan):
 
 
 #: Jitted once: every exchange's test shares the single-device gradient's compilation.
-GRAD = jit(jax.grad(probed_loss, argnums=(0, 1)), static_argnums=3)
+GRAD = jax.jit(jax.grad(probed_loss, argnums=(0, 1)), static_argnums=3)
 
 
 @pytest.mark.parametrize("exchange", names(EP_EXCHANGES))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import EP_EXCHANGES, FORWARD, WEIGHT_FORMATS, check_against_reference, jit, make, names
+from harness import EP_EXCHANGES, FORWARD, WEIGHT_FORMATS, check_against_reference, make, names
 
 import sharding
 from moe_jax import MoEConfig, expert_gemm, moe_forward, nvfp4, reference_forward, resolve, shard_params
@@ -79,7 +79,7 @@ def test_gpu_kernel_gradients_trace_under_shard_map_with_vma_checks(rng, cpu_dev
         y, stats = moe_forward(params, x, plan)
         return jnp.sum(y.astype(jnp.float32) ** 2) + stats["load_balance_loss"]
 
-    jaxpr = jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).jaxpr
+    jaxpr = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).jaxpr
     names = re.findall(r"name=(grouped_[a-z0-9_]+)", str(jaxpr))
     assert {"grouped_matmul_input_grad_bf16_decode", "grouped_weight_grad_bfloat16"} <= set(names) or (
         qat and {"grouped_matmul_input_grad_nvfp4_decode", "grouped_weight_grad_bfloat16"} <= set(names)), set(names)
@@ -117,7 +117,7 @@ def test_an_nvfp4_shared_expert_runs_through_the_kernels_up_to_its_token_limit(r
     h = np.asarray(x, np.float64) @ gate_up.T
     gate, up = np.split(h, 2, axis=1)
     ref = (gate / (1 + np.exp(-gate)) * up) @ down.T
-    y = np.asarray(jit(expert_gemm.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
+    y = np.asarray(jax.jit(expert_gemm.shared_expert_mlp, static_argnums=3)(x, w_gate_up, w_down, plan), np.float64)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
     dense = dataclasses.replace(plan, shared_kernel_max_tokens=0)
 

@@ -95,7 +95,7 @@ def losses_and_router_grad(params, x, plan):
         return stats["load_balance_loss"] + stats["router_z_loss"], stats
 
     with jax.default_matmul_precision("highest"):
-        (_, stats), grad = jit(jax.value_and_grad(loss, has_aux=True))(params["router"]["w_eh"])
+        (_, stats), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params["router"]["w_eh"])
     return stats, grad
 
 

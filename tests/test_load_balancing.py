@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from harness import FORWARD, jit
+from harness import FORWARD
 from harness import mesh_for as harness_mesh_for
 
 import moe_jax

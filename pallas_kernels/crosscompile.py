@@ -17,6 +17,7 @@ Needs the optional ``triton`` dependency (imported lazily).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import re
@@ -135,14 +136,10 @@ def _run_ttir_passes(ttir: str, capability: int, tmp: str) -> str:
 
 def compile_ttir(module: TritonModule, capability: int, *, with_sass: bool = False) -> CompiledKernel:
     """Compiles TTIR for ``capability`` with triton (3.6) and reads back resource usage."""
-    import triton  # noqa: PLC0415 (optional dependency)
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{module.name}.ttir")
         pathlib.Path(path).write_text(_run_ttir_passes(module.ttir, capability, tmp))
-        kernel = triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                                options={"num_warps": module.num_warps, "num_stages": module.num_stages})
+        kernel = _triton_compile(path, capability, {"num_warps": module.num_warps, "num_stages": module.num_stages})
     return _compiled(kernel, module.name, capability, with_sass)
 
 
@@ -151,9 +148,7 @@ def compile_jit(fn, *, signature: dict[str, str], constexprs: dict, capability: 
     """Compiles a ``@triton.jit`` function for ``capability`` (Triton-language kernels, the way
     ``jax_triton`` compiles them, minus the launch): ``signature`` maps each argument to its
     Triton type (``"*u8"``, ``"constexpr"``), ``constexprs`` the constexpr arguments to values."""
-    import triton  # noqa: PLC0415 (optional dependency)
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415 (optional dependency)
 
     # jax_triton declares every array argument 16-byte aligned (XLA's buffers are), which decides
     # the loads' vector widths: without it the kernel compiled here is not the one that runs.
@@ -161,9 +156,27 @@ def compile_jit(fn, *, signature: dict[str, str], constexprs: dict, capability: 
                if signature.get(arg, "").startswith("*")}
     source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(arg),): value for arg, value in constexprs.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = _triton_compile(source, capability, {"num_warps": num_warps, "num_stages": num_stages})
     return _compiled(kernel, name, capability, with_sass)
+
+
+@functools.cache
+def _process_cache() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="moe-jax-triton-cache-")
+
+
+def _triton_compile(source, capability: int, options: dict):
+    """``triton.compile(source)`` for ``capability``. Importing jax_triton sets
+    ``TRITON_CACHE_DIR`` to "" in the process (it keeps its compiled kernels itself), after which
+    ``triton.compile`` finds no cache directory and raises: then the kernel is compiled into a
+    cache directory of this process's own, removed at exit."""
+    import triton  # noqa: PLC0415 (optional dependency)
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+
+    with triton.knobs.cache.scope():
+        if not triton.knobs.cache.dir:
+            triton.knobs.cache.dir = _process_cache().name
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def _compiled(kernel, name: str, capability: int, with_sass: bool) -> CompiledKernel:

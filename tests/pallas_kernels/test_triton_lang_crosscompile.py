@@ -9,6 +9,7 @@ Nothing here ran on SM100/SM120 hardware. Also: the input checks, and the offset
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax.numpy as jnp
@@ -131,6 +132,15 @@ def test_offsets_past_int32_use_64_bit_bases():
         assert n_w * (k // 2) < 2**31 and tile.block_m * k < 2**31 and tile.block_m * n_w < 2**31
     # ... while the whole 384-expert tensor does not (the reason for the 64-bit bases).
     assert 384 * 7168 * (2048 // 2) > 2**31
+
+
+def test_compiles_after_jax_triton_emptied_the_triton_cache_dir(monkeypatch):
+    """Importing jax_triton sets TRITON_CACHE_DIR to "" (a GPU test process has imported it by
+    the time these tests run), which left triton.compile without a cache directory."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    record, kernel = crosscompile.compile_native(90, crosscompile.native_keys(90)[0], experts=8)
+    assert record.target == "sm_90a" and record.mma and kernel.ptx, record
+    assert os.environ["TRITON_CACHE_DIR"] == ""  # the process's setting is left as it was
 
 
 def _nvfp4(e=4, n=64, k=128):

@@ -76,7 +76,9 @@ def test_nvfp4_rows_quantizes_each_row_alone(rng):
     for m in (0, 12):  # the first row, and the last of the 13 (padded to 16 for the quantizer)
         packed, scales, g = jax.device_get(nvfp4.quantize_rows(jnp.asarray(a_mk[m:m + 1], jnp.float32)))
         np.testing.assert_array_equal(got[m], reference.dequantize(packed[:, None], scales[:, None], g)[0, 0])
-    assert np.linalg.norm(got - a_mk) / np.linalg.norm(a_mk) < 0.1  # NVFP4's rounding, ~5%
+    # NVFP4's rounding of Gaussian rows: 9.4% relative error on average, standard deviation 0.34%
+    # over 300 seeds (largest 10.4%); 0.12 is far outside that spread yet far below a wrong scale.
+    assert np.linalg.norm(got - a_mk) / np.linalg.norm(a_mk) < 0.12
 
 
 # --- the layer cases --------------------------------------------------------------------------

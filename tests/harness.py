@@ -198,10 +198,12 @@ def check_against_reference(config: MoEConfig, devices_or_mesh, rng, tokens: int
     plan = plan or resolve(config, devices_or_mesh)
     config = plan.config
     params, x = make(config, rng, tokens, own_scales=own_scales)
-    hlo = FORWARD.lower(params, x, plan).compile().as_text()
-    assert set(re.findall(r"moe_jax\.expert_gemm\.[a-z_]+", hlo)) == {f"moe_jax.expert_gemm.{plan.expert_gemm}"}
-    y, _ = FORWARD(params, x, plan)
-    y_nan, _ = FORWARD(params, x.at[5].set(jnp.nan), plan)
+    # The program checked is the program run (a jit call after lower() can trace it again).
+    forward = FORWARD.lower(params, x, plan).compile()
+    assert set(re.findall(r"moe_jax\.expert_gemm\.[a-z_]+", forward.as_text())) == {
+        f"moe_jax.expert_gemm.{plan.expert_gemm}"}
+    y, _ = forward(params, x)
+    y_nan, _ = forward(params, x.at[5].set(jnp.nan))
     ref = moe_jax.reference_forward(jax.device_get(params), np.asarray(x, np.float64), config)
     y64 = np.asarray(y, np.float64)
     assert np.isfinite(y64).all()

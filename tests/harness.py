@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 
 import jax
@@ -93,6 +94,14 @@ def plan_or_skip(config: MoEConfig, devices_or_mesh, *, training: bool = False) 
         return resolve(config, devices_or_mesh, training=training)
     except ResolutionError as err:
         pytest.skip(str(err))
+
+
+def xla_flags(device_count: int) -> str:
+    """This process's ``XLA_FLAGS`` (``tests/conftest.py``'s code generation too) with
+    ``device_count`` virtual CPU devices instead of its 8, for a subprocess's environment."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={device_count}"])
 
 
 def mesh_for(expert_parallel: int, devices, data_parallel: int | None = None):

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import exchanges_that_run
+from harness import exchanges_that_run, xla_flags
 
 import sharding
 from moe_jax import MoEConfig, init_params, moe_forward, quantize_params, resolve
@@ -27,8 +27,7 @@ EXCHANGES = exchanges_that_run(sharding.make_mesh(4, data_parallel=2, devices=ja
 # Each process loads the same host (numpy) parameters and tokens, places them on the global
 # 8-device mesh, runs the layer and gathers the output for process 0 to save.
 WORKER = textwrap.dedent("""
-    import dataclasses, os, pickle, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import dataclasses, pickle, sys
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     process, port, inputs, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -70,7 +69,7 @@ def test_two_processes_match_one(tmp_path: Path, rng, cpu_devices):
     inputs.write_bytes(pickle.dumps((CONFIG, EXCHANGES, params, x)))
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
+           "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(4)}
     workers = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(i), str(port), str(inputs), str(out)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = [w.communicate(timeout=120)[0] for w in workers]

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from harness import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
@@ -26,7 +27,7 @@ def _load():
 
 def _run(out: pathlib.Path, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("GIT_COMMIT", "GIT_DIRTY")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--commit", "c0ffee", *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -283,10 +283,8 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     dtype = jnp.dtype(config.dtype)
     finite_t = jnp.all(jnp.isfinite(x_th), axis=1)
     x_th = jnp.where(finite_t[:, None], x_th, 0)
-    # Full float32, as the published models' gates run: a GPU's default TF32 would round the
-    # router weights to 10 mantissa bits and flip the choice between near-tied experts.
-    logits_te = jnp.matmul(x_th.astype(jnp.float32), params["router"]["w_eh"].astype(jnp.float32).T,
-                           precision=jax.lax.Precision.HIGHEST)
+    # With float32's accuracy, as the published models' gates run (router.logits).
+    logits_te = router.logits(x_th, params["router"]["w_eh"])
     finite_t = finite_t & jnp.all(jnp.isfinite(logits_te), axis=1)
     # Zeros in place of what is left out, before any function of it: a select after the scores
     # would pass a zero cotangent through a NaN derivative, and 0 * NaN is NaN.

@@ -226,3 +226,63 @@ def test_correction_bias_moves_by_the_sign_of_the_load_gap():
 def test_correction_bias_update_rejects_bad_input(args, message):
     with pytest.raises(ValueError, match=message):
         router.update_correction_bias(*args)
+
+
+# --- the logits ------------------------------------------------------------------------------
+
+
+def _float64_logits(x, w):
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+
+
+def test_bf16_parts_sum_to_the_float32_weights_exactly(rng):
+    # Magnitudes over many binades, and values a rounded split would round up (all low bits set).
+    w = (rng.standard_normal((48, 640)) * np.exp2(rng.integers(-30, 30, (48, 640)))).astype(np.float32)
+    w[0, :8] = np.frombuffer(np.uint32(0x3FFFFFFF).tobytes() * 8, np.float32)
+    parts = np.asarray(router._bf16_parts(jnp.asarray(w)), np.float64)
+    np.testing.assert_array_equal(parts.sum(0), w.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_logits_have_float32_accuracy(rng, dtype):
+    # Against float64: each logit within a few float32 roundings of sum |x_h w_h| (a TF32 or bf16
+    # product would be ~1e-3 of it), and no worse than a float32 matmul at HIGHEST.
+    x = jnp.asarray(rng.standard_normal((64, 2048)), dtype)
+    w = jnp.asarray(rng.standard_normal((96, 2048)) / np.sqrt(2048), jnp.float32)
+    exact, scale = _float64_logits(x, w)
+    y = np.asarray(jax.jit(router.logits)(x, w), np.float64)
+    highest = np.asarray(jnp.matmul(x.astype(jnp.float32), w.T, precision="highest"), np.float64)
+    err, err_highest = np.max(np.abs(y - exact) / scale), np.max(np.abs(highest - exact) / scale)
+    assert err < 2e-6 and err <= 4 * err_highest + 1e-7, (err, err_highest)
+    scope = "logits_bf16x3" if dtype == jnp.bfloat16 else "logits_float32"
+    assert f"moe_jax.router.{scope}" in jax.jit(router.logits).lower(x, w).compile().as_text()
+
+
+def test_logits_choose_the_float64_top_k_between_near_ties(rng):
+    # Pairs of experts whose float64 logits differ by a few float32 ulps of the row: a TF32 or
+    # bf16 matmul flips many of them; the bf16x3 logits order each pair as float64 does whenever
+    # the gap exceeds float32's error bound.
+    t, h, e = 256, 1024, 16
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    w = rng.standard_normal((e, h)) / np.sqrt(h)
+    w[1::2] = w[0::2] + rng.standard_normal((e // 2, h)) * 1e-3 / np.sqrt(h)  # near-twins: gaps ~1e-4 of the row
+    w = w.astype(np.float32)
+    exact, scale = _float64_logits(x, w)
+    y = np.asarray(router.logits(x, jnp.asarray(w)), np.float64)
+    gap = exact[:, 0::2] - exact[:, 1::2]
+    resolvable = np.abs(gap) > 64 * np.finfo(np.float32).eps * scale[:, 0::2]
+    assert resolvable.sum() > t  # the draw has decisions to get right
+    np.testing.assert_array_equal(np.sign(y[:, 0::2] - y[:, 1::2])[resolvable], np.sign(gap)[resolvable])
+
+
+def test_logits_gradients_are_those_of_the_float32_matmul(rng):
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((12, 256)) / 16, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
+    got = jax.grad(lambda x, w: jnp.sum(router.logits(x, w) * probe), argnums=(0, 1))(x, w)
+    # d/dx = probe @ w, d/dw = probe^T @ x, in float64.
+    want = (np.asarray(probe, np.float64) @ np.asarray(w, np.float64),
+            np.asarray(probe, np.float64).T @ np.asarray(x, np.float64))
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(got[1], np.float64), want[1], rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """Test set-up: 8 virtual CPU devices (before jax is imported), XLA:CPU's cheapest code
-generation, one compilation cache for the run, and the GPU markers.
+generation, one compilation cache for the run, the GPU markers, and the collected test ids for
+the GPU check.
 
 Code generation (on a machine without a GPU): ``--xla_backend_optimization_level=0`` has LLVM skip its optimizations (it
 changes no floating-point semantics: XLA:CPU does not enable fast math either way). The suite's
@@ -53,8 +54,9 @@ def _cuda_devices():
 
 def pytest_collection_modifyitems(config, items):
     # The slow tests first (in their order), so that xdist's workers do not end on them, one
-    # worker idle while the other runs a long test.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # worker idle while the other runs a long test. A test with its own timeout marker needs more
+    # than the GPU check's per-test limit (the serving soaks, ~130 s each on the H200): first too.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None)
     gpus = len(_cuda_devices())
     for item in items:
         marker = item.get_closest_marker("gpu")
@@ -63,6 +65,22 @@ def pytest_collection_modifyitems(config, items):
         needed = marker.kwargs.get("count", 1)
         if gpus < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {gpus}"))
+
+
+def pytest_collection_finish(session):
+    """With MOE_JAX_COLLECTED_IDS=PATH, write the ids of the tests this run will run (after -m and
+    -k), one a line: tools/gpu_check.sh gets them as the run starts, so a pass its time limit cuts
+    off still says what it did not reach, and a continuation runs the rest of the same list
+    (whatever optional packages its own collection would see). Under xdist every worker collects
+    the same list (xdist checks that); the first writes it."""
+    path = os.environ.get("MOE_JAX_COLLECTED_IDS")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    xdist_controller = worker is None and (session.config.getoption("numprocesses", None) or 0) != 0
+    if not path or xdist_controller or worker not in (None, "gw0"):
+        return
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        f.writelines(f"{item.nodeid}\n" for item in session.items)
+    os.replace(f"{path}.tmp", path)
 
 
 @pytest.fixture

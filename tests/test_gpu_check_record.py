@@ -105,9 +105,11 @@ def test_all_passed_verdict_counts_and_gives_skip_reasons():
 @pytest.mark.parametrize("passes,demo_rc,gpus,expected", [
     pytest.param([("PASSING", 0)], 1, 1, "FAILED: the demo exited with rc 1", id="demo_failed"),
     pytest.param([("PASSING", 0)], None, 1, "FAILED: the demo did not run", id="demo_not_run"),
-    pytest.param([(None, 124)], 0, 1, "FAILED: 1 GPU: no junit XML (rc 124: timed out, interrupted)",
+    pytest.param([(None, 124)], 0, 1, "FAILED: 1 GPU: no junit XML (rc 124: cut off by its time limit)",
                  id="killed_before_the_xml"),
-    pytest.param([("PASSING", 124)], 0, 1, "FAILED: 1 GPU: pytest exited with rc 124: timed out, interrupted",
+    pytest.param([("PASSING", 124)], 0, 1, "FAILED: 1 GPU: cut off by its time limit after 3 tests (rc 124)",
+                 id="cut_off_after_passing_tests"),
+    pytest.param([("PASSING", 2)], 0, 1, "FAILED: 1 GPU: pytest exited with rc 2: interrupted or usage error",
                  id="interrupted_after_passing_tests"),
     pytest.param([], 0, 1, "FAILED: no pytest pass ran", id="no_pass"),
     pytest.param([("PASSING", 0)], 0, 0, "FAILED: JAX sees no GPU, so no GPU test ran", id="no_gpu"),
@@ -161,7 +163,7 @@ def test_a_cut_off_call_continued_by_a_second_passes_only_when_together_they_ran
     assert ok, text.splitlines()[-1]
     assert text.splitlines()[-1].startswith("all 2 tests passed (1 GPU, first call: 1, 1 GPU, second call: 1)")
     # Without the second call, or without the list it must cover, the cut-off call fails.
-    for passes, collected, why in (([earlier], COLLECTED, "1 collected tests ran in no call "
+    for passes, collected, why in (([earlier], COLLECTED, "1 of 3 collected tests ran in no call "
                                      "(tests/test_layer.py::test_gradients_match_a_dense_formulation)"),
                                     ([earlier, second], None, "an earlier call's pass is included, but not the "
                                      "collected tests it must cover")):
@@ -211,3 +213,81 @@ def test_a_crashed_worker_is_said_to_be_possibly_a_timeout_under_the_thread_meth
     assert len(note) == noted
     if noted:
         assert "per-test limit (240 s here" in note[0]
+
+
+# What pytest-xdist's controller writes when the SIGINT of the pass's time limit reached a worker
+# mid-hook: the worker's INTERNALERROR, re-raised as an AssertionError (xdist's dsession.py
+# worker_internal_error), in the entry that pytest's junitxml keeps for internal errors.
+INTERRUPT = """<testcase classname="pytest" name="internal" time="0.000"><error message="internal error">def worker_internal_error(
+E       AssertionError: Traceback (most recent call last):
+E           File "/opt/venv/lib/python3.12/site-packages/_pytest/main.py", line 289, in wrap_session
+E             session.exitstatus = doit(config, session) or 0
+E           File "/opt/venv/lib/python3.12/site-packages/jax/_src/lib/__init__.py", line 126, in _xla_gc_callback
+E             _jax.collect_garbage()
+E         KeyboardInterrupt
+E       assert False
+
+/opt/venv/lib/python3.12/site-packages/xdist/dsession.py:232: AssertionError</error></testcase>"""
+
+
+def _with_interrupt(xml):
+    return xml.replace("</testsuite>", INTERRUPT + "</testsuite>")
+
+
+def test_the_interrupt_of_a_cut_off_pass_is_no_test_and_no_error():
+    tests = record.parse_junit(_with_interrupt(PASSING))
+    assert [t.outcome for t in tests if t.test_id == "pytest::internal"] == ["interrupted"]
+    text, ok = _render([_pass(_with_interrupt(PASSING), rc=124)])
+    lines = text.splitlines()
+    assert not ok  # it did not run to the end
+    assert lines[-1] == "FAILED: 1 GPU: cut off by its time limit after 3 tests (rc 124)"
+    assert "rc 124: cut off by its time limit, 30 s" in lines
+    assert "passed 2, failed 0, skipped 1, errors 0 (of 3)" in lines  # the interrupt is not counted
+    assert any(line.startswith("Cut off by its time limit: it did not run to the end") and "KeyboardInterrupt" in line
+               for line in lines)
+    assert not any("pytest::internal" in line or "ERROR" in line for line in lines)
+
+
+def test_an_interrupt_without_the_time_limit_fails_and_other_internal_errors_stay_errors():
+    line, ok = record.verdict([_pass(_with_interrupt(PASSING), rc=2)], 0, 1)
+    assert not ok and line == "FAILED: 1 GPU: interrupted (KeyboardInterrupt) before its time limit (rc 2)"
+    crash = INTERRUPT.replace("KeyboardInterrupt", "RuntimeError: the scheduler broke")
+    line, ok = record.verdict([_pass(PASSING.replace("</testsuite>", crash + "</testsuite>"), rc=124)], 0, 1)
+    assert not ok and "1 GPU: 1 errors" in line and "(pytest::internal)" in line
+
+
+def test_a_cut_off_pass_names_the_collected_tests_it_did_not_reach():
+    first = _pass(_with_interrupt(_split(PASSING, ["test_kimi_size", "test_exchange"])), rc=124)
+    line, ok = record.verdict([first], 0, 1, COLLECTED)
+    assert not ok
+    assert line == ("FAILED: 1 GPU: cut off by its time limit after 2 tests (rc 124); 1 of 3 collected tests did not "
+                    "run (tests/test_layer.py::test_gradients_match_a_dense_formulation)")
+
+
+def test_a_continuation_of_a_cut_off_pass_with_its_interrupt_passes(tmp_path):
+    """Measured on a480f3c: the first call's interrupt was counted as an error (pytest::internal),
+    so a second call that ran every remaining test still said FAILED."""
+    (tmp_path / "device.txt").write_text("gpu: 0, NVIDIA H200, 580.159.04, 143771 MiB\njax_gpu_count: 1\n")
+    (tmp_path / "demo.txt").write_text("demo rc=0\n")
+    (tmp_path / "call1_pytest_1gpu.xml").write_text(_with_interrupt(_split(PASSING, ["test_kimi_size", "test_exchange"])))
+    (tmp_path / "pytest_1gpu.xml").write_text(_split(PASSING, ["test_gradients"]))
+    (tmp_path / "log.txt").write_text("1 passed\n")
+    # The first call's collection, whatever this call's environment would collect.
+    (tmp_path / "pass1_collected.txt").write_text("\n".join(COLLECTED) + "\n")
+    remaining = subprocess.run([sys.executable, str(TOOL), "--remaining", str(tmp_path / "pass1_collected.txt"),
+                                str(tmp_path / "call1_pytest_1gpu.xml")], capture_output=True, text=True, check=True)
+    assert remaining.stdout.split() == [COLLECTED[1]]
+    base = [sys.executable, str(TOOL), str(tmp_path), "--commit", "abc", "--demo-rc", "0",
+            "--earlier-pass", "1 GPU, first call|124|450|call1_pytest_1gpu.xml|log.txt|pytest -m 'gpu or gpu_check' tests"]
+    done = subprocess.run(base + ["--collected", "pass1_collected.txt", "--pass", f"1 GPU, second call|0|9|pytest_1gpu.xml|log.txt|pytest {COLLECTED[1]}"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().startswith("all 2 tests passed (1 GPU, first call: 1, 1 GPU, second call: 1), 1 skipped")
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "# GPU check: passed" in text and "pytest::internal" not in text
+    # No collected list, or an empty one, cannot excuse the tests the first call did not reach.
+    (tmp_path / "empty.txt").write_text("\n")
+    for collected in ("missing.txt", "empty.txt"):
+        refused = subprocess.run(base + ["--collected", collected, "--pass", "1 GPU, second call|0|9|pytest_1gpu.xml|log.txt|pytest"],
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and f"--collected {collected}: missing or empty" in refused.stderr

@@ -17,6 +17,10 @@ from harness import (
 import moe_jax
 from moe_jax import MoEConfig, moe_forward, reference_forward, resolve
 
+# On a GPU machine these run there: `auto` picks the GPU kernels, and XLA:GPU computes the rest
+# (TF32 by default for float32 matmuls). No gpu-marked twin covers that at these shapes.
+pytestmark = pytest.mark.gpu_check
+
 TINY = dict(num_experts=8, hidden_size=64, expert_intermediate_size=32)
 CONFIGS = {
     "mixtral": MoEConfig.mixtral_8x7b(**TINY),

@@ -3,6 +3,11 @@
 The reference below follows NVIDIA ModelOpt 0.47.0's NVFP4QTensor.quantize step by step
 (searchsorted on the E2M1 midpoints, the zero-scale rule, the clamp of block scales to
 E4M3's range, the fp32 products) in numpy + ml_dtypes; it shares no code with moe_jax.nvfp4.
+
+On a GPU machine most of this file still computes on the CPU (``quantize`` of a concrete array
+runs on the host), and its traced quantization has a full-size twin there
+(``tests/test_nvfp4_gpu.py``). The tests marked ``gpu_check`` run the exact float32 arithmetic on
+the default backend: ``tools/gpu_check.sh`` runs them on the GPU too.
 """
 
 import os
@@ -61,6 +66,7 @@ def test_all_sixteen_codes_decode_to_the_published_values():
     np.testing.assert_array_equal(again, [*range(8), 0, *range(9, 16)])
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_every_rounding_tie_goes_to_the_even_code():
     # Midpoint -> the neighbour whose code is even (its mantissa bit is 0).
     ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
@@ -435,6 +441,7 @@ def test_float64_input_rounds_to_float32_first(rng):
     assert not report, describe(report)
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_round_to_e4m3_is_the_e4m3_cast(rng):
     """The exact float32 rounding of block scales equals the float8_e4m3fn cast on every E4M3
     value in [2**-9, 448], the midpoints between neighbours (ties to even), one float32 ulp on
@@ -537,6 +544,7 @@ def division_cases(rng):
     return cases
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_divide_f32_exact_is_ieee_division(rng):
     """``exact_float32.divide`` (integer arithmetic on the bits) against numpy's float32 division,
     which is IEEE 754's (round half to even, subnormals kept), bit for bit: every finite exponent
@@ -557,6 +565,7 @@ def test_divide_f32_exact_is_ieee_division(rng):
                            a / np.float32(2688.0), a)
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_multiply_f32_exact_is_ieee_multiplication(rng):
     """``exact_float32.multiply`` against numpy's float32 product bit for bit: every finite exponent,
     the quantizer's products (6 * global scale, E4M3 value * global scale), exact ties (12- and
@@ -585,6 +594,7 @@ def test_multiply_f32_exact_is_ieee_multiplication(rng):
             raise AssertionError(f"{name}: {e}") from None
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_e2m1_encode_reads_subnormals_as_nonzero():
     # XLA:CPU's float comparisons read subnormals as zero; the encoder decides on the bits, as
     # ModelOpt (torch on IEEE floats) does: a negative subnormal is code 8 (-0.0 in E2M1).
@@ -610,6 +620,7 @@ def subnormal_weights(rng) -> np.ndarray:
     return w.astype(np.float32)
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
 def test_subnormal_corner_cases_follow_ieee_like_numpy(rng, dtype):
     """Where IEEE 754 and XLA:CPU's flush-to-zero float arithmetic disagree (subnormal global
@@ -635,6 +646,7 @@ def test_subnormal_corner_cases_follow_ieee_like_numpy(rng, dtype):
         assert (codes[w[1, :, 16:48] < 0] == 8).all() and (w[1, :, 16:48] < 0).any()
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_global_scale_zero_keeps_code_zero_for_zero_elements(rng):
     """A matrix whose amax is at most 2688 * 2**-150 (all elements tiny subnormals) has global
     scale 0, as in ModelOpt: every block ratio is x / 0 = inf (clamped to 448) and every nonzero
@@ -664,6 +676,7 @@ def test_global_scale_zero_keeps_code_zero_for_zero_elements(rng):
     assert not report, describe(report)
 
 
+@pytest.mark.gpu_check  # XLA:GPU's float32 arithmetic (excess precision, division, subnormals) differs from XLA:CPU's
 def test_compiled_quantizer_has_no_float_division_and_no_conversion_round_trip():
     """What XLA:GPU got wrong, checked in XLA:CPU's optimized HLO: no division at all (the
     quotients are integer arithmetic on the bits; XLA:GPU's float32 division is

@@ -59,6 +59,7 @@ def test_an_unregistered_name_raises_before_the_devices_are_looked_at():
         resolve(MoEConfig(**SMALL, exchange="nccl"), abstract_mesh("NVIDIA H200", ep=3))
 
 
+@pytest.mark.gpu_check  # "here": the GPU on a GPU machine, where the kernels resolve and run natively
 def test_every_implementation_that_can_run_here_runs_when_asked_and_is_stamped_in_the_hlo(rng):
     """For each registered expert GEMM that can run on this machine, an explicit choice
     resolves to it and the compiled HLO carries its named scope (and no other's)."""

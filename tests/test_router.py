@@ -17,6 +17,10 @@ import pytest
 
 from moe_jax import MoEConfig, router
 
+# On a GPU machine the routing runs there: XLA:GPU's top-k, float32 matmuls (TF32 by default)
+# and transcendentals decide which experts are chosen and how ties break.
+pytestmark = pytest.mark.gpu_check
+
 
 def mixtral_route_np(logits, k, normalize=True):
     p = np.exp(logits - logits.max(-1, keepdims=True))

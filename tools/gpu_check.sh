@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test on every visible GPU count, the demo, and one markdown record of it all.
+# Every test that runs on a GPU, on every visible GPU count, the demo, and one markdown record of
+# it all, in one device call (10 minutes) on one H200.
 #
 # Usage, on the GPU machine, from anywhere in the repo (the device machine's copy has no .git,
 # so the commit comes in through the environment):
@@ -10,10 +11,16 @@
 #   1. device.txt   GPU name, driver and memory (nvidia-smi); python, jax, jaxlib, flax, optax,
 #                   triton versions; how many GPUs JAX sees.
 #   2. demo.txt     `python3 -m moe_jax.cli demo` with no flags on one GPU.
-#   3. pass 1       pytest on one GPU (CUDA_VISIBLE_DEVICES=0): the suites that run on the
-#                   default backend and matter on a GPU, plus every file under tests/ that
-#                   holds a `gpu` marker (the Kimi K2 size kernel tests and the full-size
-#                   layer among them) -> pytest_1gpu.xml, pytest_1gpu.txt.
+#   3. pass 1       pytest on one GPU (CUDA_VISIBLE_DEVICES=0), `-m "gpu or gpu_check" tests`:
+#                   every test with a `gpu` marker (the native kernels, the Kimi K2 size and
+#                   full-size layer tests, the serving soaks; gpu(count=2/4) ones skip with their
+#                   reason) and every test marked `gpu_check` (it runs on the default backend and
+#                   can behave differently on a GPU: the layer and router suites, a few NVFP4
+#                   arithmetic tests). The rest runs the same code on the GPU machine as on CPU
+#                   (Pallas interpret mode, lowering/cross-compiling for abstract GPUs, argument
+#                   checks, host logic, tests on the 8 virtual CPU devices): CI runs it. The first
+#                   worker writes the collected ids -> pass1_collected.txt, pytest_1gpu.xml,
+#                   pytest_1gpu.txt.
 #   4. pass 2       with >= 2 visible GPUs: `pytest -m gpu tests` on all of them, so the
 #                   gpu(count=2) tests run and gpu(count=4) ones skip with their reason
 #                   -> pytest_2gpu.xml, pytest_2gpu.txt. With one GPU the record says why not.
@@ -22,21 +29,25 @@
 #                   failed or errored, a pass did not finish, or the demo failed.
 #
 # Overrides (all optional; every GPU_CHECK_* variable in effect is written into the record):
-#   GPU_CHECK_PASS1="paths/args"   pytest selection of pass 1 (default: see PASS1_SUITES below)
+#   GPU_CHECK_PASS1="paths/args"   pytest paths (and args) of pass 1 (default: tests)
+#   GPU_CHECK_MARKS="expr"         pass 1's marker expression (default: "gpu or gpu_check"; "" for all)
 #   GPU_CHECK_PASS2="paths/args"   pytest selection of pass 2, run with -m gpu (default: tests)
 #   GPU_CHECK_PASSES="1 2"         which passes to run (e.g. "2" for pass 2 in a call of its own)
 #   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist)
-#   GPU_CHECK_BUDGET_S=560         seconds for the whole script (the device call allows 600)
-#   GPU_CHECK_PASS1_S=420          upper bound for pass 1
+#   GPU_CHECK_BUDGET_S=540         seconds for the whole script (the device call allows 600; pass 1's
+#                                  kill grace of 30 s and the record still fit)
+#   GPU_CHECK_PASS1_S=450          upper bound for pass 1
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
 #   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed (a test's own
 #                                  timeout marker wins)
 #   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
 #   GPU_CHECK_CONTINUE=DIR         finish a pass 1 that an earlier call at the same code left unfinished
 #                                  (its time limit cut it off): DIR is that call's output folder (carry it
-#                                  to the device machine). Pass 1 then runs only the tests of its
-#                                  selection that DIR's junit XML lacks; the record holds both calls and
-#                                  passes only if together they ran every collected test and all passed.
+#                                  to the device machine). Pass 1 then runs only the tests of DIR's
+#                                  pass1_collected.txt (the first call's collection, not this call's:
+#                                  optional packages can change it) that DIR's junit XML lacks; the record
+#                                  holds both calls and passes only if together they ran every collected
+#                                  test and all passed.
 #   PYTHON=python3                 the interpreter
 set -uo pipefail
 
@@ -53,7 +64,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Several pytest workers share one GPU: none may take 75% of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-budget=${GPU_CHECK_BUDGET_S:-560}
+budget=${GPU_CHECK_BUDGET_S:-540}
 workers=${GPU_CHECK_WORKERS:-4}
 left() { echo $(( budget - ($(date +%s) - start) )); }
 min() { if (( $1 < $2 )); then echo "$1"; else echo "$2"; fi; }
@@ -131,6 +142,15 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   pytest_opts+=(--timeout="${GPU_CHECK_TEST_S:-240}" --timeout-method=thread)
 fi
 
+# The arguments as one shell line, for the record: single quotes around those that need them.
+shell_line() {
+  local arg words=()
+  for arg in "$@"; do
+    if [[ "$arg" =~ ^[A-Za-z0-9_./:=+,@%-]+$ ]]; then words+=("$arg"); else words+=("'${arg//\'/\'\\\'\'}'"); fi
+  done
+  echo "${words[*]}"
+}
+
 # run_pass NAME LABEL SECONDS [env assignments --] pytest args...
 run_pass() {
   local name=$1 label=$2 limit=$3; shift 3
@@ -149,31 +169,23 @@ run_pass() {
   if [[ $(wc -c < "$out/pytest_$name.txt") -gt 8000000 ]]; then
     tail -c 8000000 "$out/pytest_$name.txt" > "$out/pytest_$name.tmp" && mv "$out/pytest_$name.tmp" "$out/pytest_$name.txt"
   fi
-  local spec="$label|$rc|$(( $(date +%s) - t0 ))|pytest_$name.xml|pytest_$name.txt|${envs[*]} $PY -m pytest ${pytest_opts[*]} --junitxml=pytest_$name.xml $*"
+  local spec="$label|$rc|$(( $(date +%s) - t0 ))|pytest_$name.xml|pytest_$name.txt|${envs[*]} $PY -m pytest ${pytest_opts[*]} --junitxml=pytest_$name.xml $(shell_line "$@")"
   printf '%s\n' "$spec" > "$out/pass_$name.spec"  # what a GPU_CHECK_CONTINUE call reads back
   record_args+=(--pass "$spec")
 }
 
-# Pass 1: the unmarked suites that run on the default backend and matter on a GPU, plus every
-# file that holds a gpu marker (its CPU tests come along; they are cheap).
-# The serving soaks (~130 s and ~150 s, each on one worker) come first, so that they run beside
-# the rest instead of after it, where a call's time limit cut them off twice.
-PASS1_FIRST="tests/test_serving_gpu.py"
-PASS1_SUITES="tests/test_layer.py tests/test_nvfp4.py tests/test_resolve.py tests/test_router.py
-  tests/test_config.py tests/test_layer_pallas.py tests/pallas_kernels"
-if [[ -n "${GPU_CHECK_PASS1:-}" ]]; then
-  pass1="$GPU_CHECK_PASS1"
-else
-  marked="$(grep -rlE --include='test_*.py' 'mark\.gpu' tests | grep -v '^tests/pallas_kernels/' | sort)"
-  pass1="$(echo $PASS1_FIRST $PASS1_SUITES $marked | tr ' ' '\n' | awk 'NF && !seen[$0]++' | tr '\n' ' ')"
-fi
+# Pass 1: by marker, over every test file (tests/test_gpu_check_selection.py checks the rule).
+# tests/conftest.py puts the tests with their own timeout marker (the serving soaks, ~130 s and
+# ~150 s, each on one worker) first, so that they run beside the rest instead of after it.
+pass1="${GPU_CHECK_PASS1:-tests}"
+marks="${GPU_CHECK_MARKS-gpu or gpu_check}"
 passes="${GPU_CHECK_PASSES:-1 2}"
 if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
   prev="$(cd "$GPU_CHECK_CONTINUE" && pwd)" || exit 2
   commit1="$(sed -n 's/^- commit: `\([^`]*\)`.*/\1/p' "$prev/gpu_check.md" 2>/dev/null | head -1)"
-  if [[ -z "$commit1" || ! -s "$prev/pass_1gpu.spec" || ! -s "$prev/pytest_1gpu.xml" ]]; then
+  if [[ -z "$commit1" || ! -s "$prev/pass_1gpu.spec" || ! -s "$prev/pytest_1gpu.xml" || ! -s "$prev/pass1_collected.txt" ]]; then
     echo "GPU_CHECK_CONTINUE=$GPU_CHECK_CONTINUE: expected an earlier call's output" \
-      "(gpu_check.md, pass_1gpu.spec, pytest_1gpu.xml)" >&2
+      "(gpu_check.md, pass_1gpu.spec, pytest_1gpu.xml, pass1_collected.txt)" >&2
     exit 2
   fi
   # Its commit goes into the record: the two commits must not differ in code (the device copy has
@@ -181,20 +193,26 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
   for f in pytest_1gpu.xml pytest_1gpu.txt; do cp "$prev/$f" "$out/call1_$f"; done
   IFS='|' read -r label1 rc1 s1 _ _ cmd1 < "$prev/pass_1gpu.spec"
   record_args+=(--earlier-pass "$label1, first call (commit $commit1)|$rc1|$s1|call1_pytest_1gpu.xml|call1_pytest_1gpu.txt|$cmd1")
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -p no:cacheprovider -q --collect-only $pass1 2>/dev/null \
-    | grep '::' > "$out/pass1_collected.txt"
+  # The first call's list, not a collection of this call's: whatever optional packages are
+  # installed here (705 against 683 tests when tokamax was present), the same tests are covered.
+  cp "$prev/pass1_collected.txt" "$out/pass1_collected.txt"
   record_args+=(--collected pass1_collected.txt)
   mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml")
   echo "== continuing pass 1 of $prev: ${#pass1_left[@]} of $(wc -l < "$out/pass1_collected.txt") collected tests left"
   if (( ${#pass1_left[@]} )); then
-    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \
-      CUDA_VISIBLE_DEVICES=0 -- "${pass1_left[@]}"
+    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
+      CUDA_VISIBLE_DEVICES=0 -- -m "$marks" "${pass1_left[@]}"
   fi
 elif [[ " $passes " == *" 1 "* ]]; then
-  # shellcheck disable=SC2086  # word splitting of the selections is intended
-  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-420}" "$(max 60 "$(( $(left) - 30 ))")")" \
-    CUDA_VISIBLE_DEVICES=0 -- $pass1
+  # shellcheck disable=SC2086  # word splitting of the paths is intended
+  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
+    CUDA_VISIBLE_DEVICES=0 MOE_JAX_COLLECTED_IDS="$out/pass1_collected.txt" -- -m "$marks" $pass1
+  if [[ -s "$out/pass1_collected.txt" ]]; then
+    record_args+=(--collected pass1_collected.txt)
+  else
+    echo "pass 1 wrote no pass1_collected.txt (tests/conftest.py writes it from the first worker):" \
+      "the record cannot say which tests it did not reach, and no call can continue it" >&2
+  fi
 else
   record_args+=(--not-run "1 GPU (pass 1)|not selected (GPU_CHECK_PASSES='$passes')")
 fi

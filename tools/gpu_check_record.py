@@ -15,11 +15,15 @@ Usage (the shell script calls it; by hand for a record already on disk)::
         [--pass ...] [--not-run "LABEL|REASON"] [--date ISO] [--seconds TOTAL] \\
         [--earlier-pass SPEC --collected FILE]
 
-A pass that one device call could not hold is finished by a second call at the same code
-(``GPU_CHECK_CONTINUE``): the earlier call's cut-off pass comes in as ``--earlier-pass`` and
-the collected test ids as ``--collected``; the record passes only if the calls together ran
-every collected test and none failed. ``--remaining COLLECTED XML`` prints the collected ids
-that XML lacks (what the second call runs).
+A pass that its time limit cut off (``timeout`` exit status 124) is reported as cut off, not as an
+error: pytest-xdist may then write the SIGINT as an INTERNALERROR (``pytest::internal`` with a
+KeyboardInterrupt), which is no test and no failure. ``--collected`` names the test ids the pass
+collected (``tools/gpu_check.sh`` has the first worker write them), so the record says which tests
+it did not reach. A second call at the same code (``GPU_CHECK_CONTINUE``) finishes such a pass:
+the earlier call's pass comes in as ``--earlier-pass`` and the first call's collected ids as
+``--collected``; the record passes only if the calls together ran every collected test and none
+failed. ``--remaining COLLECTED XML`` prints the collected ids that XML lacks (what the second
+call runs).
 
 Importable: :func:`parse_junit` and :func:`render` are what the tests exercise.
 """
@@ -36,6 +40,10 @@ import sys
 import xml.etree.ElementTree as ET
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+# Not a test: pytest's own INTERNALERROR entry when the error is a KeyboardInterrupt, i.e. pytest
+# was interrupted (by the SIGINT of the pass's time limit, when the pass's rc is 124).
+INTERRUPTED = "interrupted"
+CUT_OFF_RC = 124  # `timeout`'s exit status when the limit ran out (SIGINT sent)
 _DEMO_KEYS = ("moe-jax demo on", "  target:", "  expert_gemm:", "  exchange:", "tokens:", "relative error",
               "NVFP4 quantization error", "expert load", "throughput", "FAILED")
 _MESSAGE_CHARS = 240
@@ -64,8 +72,17 @@ class PassResult:
     log_tail: str = ""  # the end of the pytest log, shown when the pass did not finish cleanly
     earlier: bool = False  # from an earlier call that a later one continues (GPU_CHECK_CONTINUE)
 
+    @property
+    def cut_off(self) -> bool:
+        """Its time limit stopped it: it did not run to the end (which is no test's failure)."""
+        return self.rc == CUT_OFF_RC
+
+    def results(self) -> tuple[TestResult, ...]:
+        """The tests it ran; pytest's interrupt entry is no test."""
+        return tuple(t for t in self.tests or () if t.outcome != INTERRUPTED)
+
     def counts(self) -> collections.Counter:
-        return collections.Counter(t.outcome for t in self.tests or ())
+        return collections.Counter(t.outcome for t in self.results())
 
     def problems(self) -> list[str]:
         """Why this pass is not a success; empty when it is."""
@@ -73,18 +90,22 @@ class PassResult:
         counts = self.counts()
         if self.tests is None:
             out.append(f"{self.label}: no junit XML (rc {self.rc}{_rc_meaning(self.rc)})")
-        else:
-            if counts[FAILED]:
-                out.append(f"{self.label}: {counts[FAILED]} failed")
-            if counts[ERROR]:
-                out.append(f"{self.label}: {counts[ERROR]} errors")
-            if not self.tests:
-                out.append(f"{self.label}: no tests ran")
-            # An earlier call cut off by its time limit: the verdict checks that the later call
-            # ran every test it did not reach.
-            cut_off = self.earlier and self.rc == 124
-            if self.rc != 0 and not (counts[FAILED] or counts[ERROR]) and not cut_off:
-                out.append(f"{self.label}: pytest exited with rc {self.rc}{_rc_meaning(self.rc)}")
+            return out
+        if counts[FAILED]:
+            out.append(f"{self.label}: {counts[FAILED]} failed")
+        if counts[ERROR]:
+            out.append(f"{self.label}: {counts[ERROR]} errors")
+        if not self.results():
+            out.append(f"{self.label}: no tests ran")
+        if self.cut_off:
+            # An earlier call's pass is excused: the verdict checks that the later call ran every
+            # collected test it did not reach. This call's own pass did not finish.
+            if not self.earlier:
+                out.append(f"{self.label}: cut off by its time limit after {len(self.results())} tests (rc {self.rc})")
+        elif any(t.outcome == INTERRUPTED for t in self.tests):
+            out.append(f"{self.label}: interrupted (KeyboardInterrupt) before its time limit (rc {self.rc})")
+        elif self.rc != 0 and not (counts[FAILED] or counts[ERROR]):
+            out.append(f"{self.label}: pytest exited with rc {self.rc}{_rc_meaning(self.rc)}")
         return out
 
 
@@ -95,7 +116,7 @@ class NotRun:
 
 
 def _rc_meaning(rc: int) -> str:
-    return {124: ": timed out, interrupted", 137: ": killed", 2: ": interrupted or usage error",
+    return {CUT_OFF_RC: ": cut off by its time limit", 137: ": killed", 2: ": interrupted or usage error",
             3: ": pytest internal error", 4: ": pytest usage error", 5: ": no tests collected"}.get(rc, "")
 
 
@@ -142,8 +163,19 @@ def parse_junit(source: str | os.PathLike) -> tuple[TestResult, ...]:
                 break
         else:
             outcome, detail = PASSED, ""
+        if _is_interrupt(case, children):
+            outcome, detail = INTERRUPTED, "pytest interrupted (KeyboardInterrupt), written as an internal error"
         results.append(TestResult(_test_id(case), outcome, detail, float(case.get("time") or 0.0), properties))
     return tuple(results)
+
+
+def _is_interrupt(case: ET.Element, children: dict) -> bool:
+    """pytest's own INTERNALERROR entry (``classname="pytest" name="internal"``) for a
+    KeyboardInterrupt: pytest-xdist writes a SIGINT that reached its workers so (its text is the
+    worker's traceback, inside an AssertionError of the controller)."""
+    error = children.get("error")
+    return (case.get("classname") == "pytest" and case.get("name") == "internal" and error is not None
+            and "KeyboardInterrupt" in (error.text or "") + (error.get("message") or ""))
 
 
 def _cell(text: str) -> str:
@@ -160,7 +192,7 @@ def _demo_lines(demo_text: str, rc: int) -> list[str]:
 
 
 def _skip_summary(passes: list[PassResult]) -> str:
-    reasons = collections.Counter(t.detail or "no reason given" for p in passes for t in p.tests or ()
+    reasons = collections.Counter(t.detail or "no reason given" for p in passes for t in p.results()
                                   if t.outcome == SKIPPED)
     return "; ".join(f"{reason}: {count}" for reason, count in reasons.most_common())
 
@@ -174,15 +206,17 @@ def remaining(collected: list[str], tests: tuple[TestResult, ...]) -> list[str]:
 def verdict(passes: list[PassResult], demo_rc: int | None, gpus: int | None = None,
             collected: list[str] | None = None) -> tuple[str, bool]:
     """One line, and whether everything passed (``gpus``: how many GPUs JAX saw, if known;
-    ``collected``: every test id the passes together must hold, when one call continues another)."""
+    ``collected``: every test id the passes together must hold: what pass 1 collected, in one call
+    or in the first of two)."""
     problems = ["JAX sees no GPU, so no GPU test ran"] if gpus == 0 else []
     problems += [problem for p in passes for problem in p.problems()]
     if any(p.earlier for p in passes) and collected is None:
         problems.append("an earlier call's pass is included, but not the collected tests it must cover")
     if collected is not None:
-        missing = remaining(collected, tuple(t for p in passes for t in p.tests or ()))
+        missing = remaining(collected, tuple(t for p in passes for t in p.results()))
         if missing:
-            problems.append(f"{len(missing)} collected tests ran in no call ({', '.join(missing[:3])}"
+            where = "ran in no call" if any(p.earlier for p in passes) else "did not run"
+            problems.append(f"{len(missing)} of {len(collected)} collected tests {where} ({', '.join(missing[:3])}"
                             f"{', ...' if len(missing) > 3 else ''})")
     if demo_rc is None:
         problems.append("the demo did not run")
@@ -191,7 +225,7 @@ def verdict(passes: list[PassResult], demo_rc: int | None, gpus: int | None = No
     if not passes:
         problems.append("no pytest pass ran")
     if problems:
-        failed = [t.test_id for p in passes for t in p.tests or () if t.outcome in (FAILED, ERROR)]
+        failed = [t.test_id for p in passes for t in p.results() if t.outcome in (FAILED, ERROR)]
         named = f" ({', '.join(failed[:10])}{', ...' if len(failed) > 10 else ''})" if failed else ""
         return f"FAILED: {'; '.join(problems)}{named}", False
     passed = sum(p.counts()[PASSED] for p in passes)
@@ -245,7 +279,7 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
     ]
     if seconds is not None:
         out.append(f"- wall time: {seconds:.0f} s" + " (this call)" * any(p.earlier for p in passes))
-    if collected is not None:
+    if collected is not None and any(p.earlier for p in passes):
         first = ", ".join(p.label for p in passes if p.earlier)
         out.append(f"- continues an earlier call ({first}) whose pass was cut off by its time limit: this call "
                    f"ran the tests it did not reach ({len(collected)} collected in all)")
@@ -262,12 +296,17 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
             out += ["", "No junit XML was written. End of the log:", "", "```", p.log_tail.rstrip(), "```"]
             continue
         out += [f"passed {counts[PASSED]}, failed {counts[FAILED]}, skipped {counts[SKIPPED]}, "
-                f"errors {counts[ERROR]} (of {len(p.tests)})", ""]
+                f"errors {counts[ERROR]} (of {len(p.results())})", ""]
+        if p.cut_off:
+            interrupt = any(t.outcome == INTERRUPTED for t in p.tests)
+            out += [f"Cut off by its time limit: it did not run to the end{'' if p.earlier else ' (a later call can finish it: GPU_CHECK_CONTINUE)'}."
+                    + " pytest-xdist wrote the interrupt as an internal error (KeyboardInterrupt): no test, not counted."
+                    * interrupt, ""]
         if p.rc != 0 and not (counts[FAILED] or counts[ERROR]) and p.log_tail:
             out += ["End of the log:", "", "```", p.log_tail.rstrip(), "```", ""]
         out += _crash_note(p)
         out += ["| test | outcome | s | detail |", "| --- | --- | --- | --- |"]
-        for t in sorted(p.tests, key=lambda t: t.test_id):
+        for t in sorted(p.results(), key=lambda t: t.test_id):
             detail = "; ".join([t.detail] * bool(t.detail) + [f"{k}={v}" for k, v in t.properties])
             mark = t.outcome.upper() if t.outcome in (FAILED, ERROR) else t.outcome
             out.append(f"| `{_cell(t.test_id)}` | {mark} | {t.seconds:.1f} | {_cell(detail)} |")
@@ -282,7 +321,7 @@ def _crash_note(p: PassResult) -> list[str]:
     past its limit by ending the worker's process, which xdist reports as a crash with no
     traceback, exactly as it reports a segfault or an abort."""
     limit = re.search(r"--timeout=(\d+)", p.command)
-    crashed = [t.test_id for t in p.tests or () if "crashed while running" in t.detail]
+    crashed = [t.test_id for t in p.results() if "crashed while running" in t.detail]
     if not (crashed and limit and "--timeout-method=thread" in p.command):
         return []
     return [f"{len(crashed)} worker(s) crashed with no traceback. pytest-timeout's thread method ends a worker "
@@ -343,6 +382,12 @@ def main(argv=None) -> int:
     parser.add_argument("--not-run", action="append", default=[], metavar="LABEL|REASON")
     parser.add_argument("--output", default="gpu_check.md", help="file name inside out_dir")
     args = parser.parse_args(argv)
+    collected = None
+    if args.collected is not None:
+        text = _read(os.path.join(args.out_dir, args.collected)) or ""
+        collected = [line.strip() for line in text.splitlines() if line.strip()]
+        if not collected:  # an empty list would excuse every test that did not run
+            parser.error(f"--collected {args.collected}: missing or empty in {args.out_dir}")
     date = args.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     text, ok = render(
         commit=args.commit, dirty=args.dirty, date=date, command=args.command,
@@ -351,8 +396,7 @@ def main(argv=None) -> int:
         passes=[dataclasses.replace(load_pass(args.out_dir, spec), earlier=True) for spec in args.earlier]
         + [load_pass(args.out_dir, spec) for spec in args.passes],
         not_run=[NotRun(*spec.split("|", 1)) for spec in args.not_run], seconds=args.seconds,
-        collected=None if args.collected is None else
-        [line.strip() for line in (_read(os.path.join(args.out_dir, args.collected)) or "").splitlines() if line.strip()],
+        collected=collected,
     )
     with open(os.path.join(args.out_dir, args.output), "w", encoding="utf-8") as f:
         f.write(text)

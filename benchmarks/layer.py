@@ -46,7 +46,8 @@ from benchmarks.grouped_gemm import copy_bandwidth  # noqa: E402
 
 #: (label, weight format, expert_gemm) measured for every token count.
 IMPLEMENTATIONS = (("nvfp4 triton", "nvfp4", "triton"), ("nvfp4 pallas", "nvfp4", "pallas"),
-                   ("bf16 pallas", "bf16", "pallas"), ("bf16 xla (jax.lax.ragged_dot)", "bf16", "xla"))
+                   ("bf16 triton", "bf16", "triton"), ("bf16 pallas", "bf16", "pallas"),
+                   ("bf16 xla (jax.lax.ragged_dot)", "bf16", "xla"))
 
 #: The most tokens the ``xla`` rows are timed at: XLA:GPU lowers ``ragged_dot`` densely (every
 #: row against every expert), so it is a peer at decode sizes only.
@@ -96,6 +97,24 @@ def jax_rows(tokens_list, iters: int, out: list, save) -> None:
             out.append(entry)
             save()
         del params
+
+
+def anchor_rows(tokens_list, iters: int, out: list, save) -> None:
+    """The dense anchor: the routed experts' FLOPs as two plain bf16 matmuls through XLA (cuBLAS),
+    ``[T*k, H] x [H, 2F]`` then ``[T*k, F] x [F, H]``: what the tensor cores give the same work
+    with no experts (and one weight matrix instead of the touched experts')."""
+    c = moe_jax.MoEConfig.kimi_k2()
+    h, f, k = c.hidden_size, c.expert_intermediate_size, c.top_k
+    w_gu = jax.random.normal(jax.random.key(1), (h, 2 * f), jnp.bfloat16)
+    w_d = jax.random.normal(jax.random.key(2), (f, h), jnp.bfloat16)
+    for tokens in tokens_list:
+        entry = {"impl": "dense anchor (XLA matmuls, routed FLOPs)", "format": "bf16", "tokens": tokens}
+        x = jax.random.normal(jax.random.key(tokens), (tokens * k, h), jnp.bfloat16)
+        seconds, _ = timed(lambda x, w_gu, w_d: jnp.dot(jnp.dot(x, w_gu)[:, :f], w_d), x, w_gu, w_d, iters=iters)
+        entry.update(seconds=seconds, tflops=2 * tokens * k * 3 * h * f / seconds / 1e12)
+        print(json.dumps(entry), flush=True)
+        out.append(entry)
+        save()
 
 
 def torch_rows(tokens_list, iters: int, out: list, save) -> None:
@@ -244,6 +263,7 @@ def main() -> None:
             torch_rows(args.tokens, args.iters, results["rows"], save)
         jax.block_until_ready(jnp.zeros((1 << 30,), jnp.float32)).delete()  # 4 GiB in and out first
         results["meta"]["copy_bandwidth_bytes_per_s"] = copy_bandwidth(20)
+        anchor_rows(args.tokens, args.iters, results["rows"], save)
         jax_rows(args.tokens, args.iters, results["rows"], save)
     except Exception:
         traceback.print_exc()

@@ -211,6 +211,9 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     """
     triton_lang = _triton_lang()
     cc = plan.target.compute_capability
+    if plan.config.weight_format == "bf16":
+        return pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
+                                     backend=triton_lang.BF16_BACKEND, compute_capability=cc).astype(plan.config.dtype)
     match triton_lang.mode_for(cc):
         case triton_lang.Mode.W4A16:
             y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
@@ -235,8 +238,6 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
                 "them in tests/interpreter only, with corrections); MoEConfig.interpret=True runs 'pallas' or 'xla'")
     if target.platform != "cuda":
         return f"needs an NVIDIA GPU, found {target.platform}"
-    if config.weight_format != "nvfp4":
-        return f"NVFP4 weights only, found weight_format={config.weight_format!r} ('pallas' runs bf16 experts)"
     if config.dtype != "bfloat16":
         return f"activations are {config.dtype}; the kernels take bfloat16"
     for field in ("hidden_size", "expert_intermediate_size"):
@@ -247,6 +248,9 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
             return f"{package.replace('_', '-')} is not installed (pip install 'moe-jax[triton]')"
     triton_lang = _triton_lang()
     cc = target.compute_capability
+    if config.weight_format == "bf16" and cc not in triton_lang.BF16_TILES:
+        return (f"bf16 weights: native bf16 tiles for SM{', SM'.join(map(str, sorted(triton_lang.BF16_TILES)))} only, "
+                f"found {target.device_kind} (SM{cc}); 'pallas' runs bf16 experts")
     if cc not in triton_lang.NATIVE_TILES:
         return (f"no native tile configurations for {target.device_kind} (SM{cc}); "
                 f"tuned for SM{', SM'.join(map(str, sorted(triton_lang.NATIVE_TILES)))}")

@@ -67,9 +67,13 @@ def test_triton_trains_on_w4a16_only_and_takes_nvfp4_only():
         resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4", expert_gemm="triton"), mesh, training=True)
     h200 = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="nvfp4"), _abstract_mesh("NVIDIA H200"), training=True)
     assert h200.expert_gemm == "triton", h200.report
-    with pytest.raises(ResolutionError, match="NVFP4 weights only, found weight_format='bf16'"):
+    with pytest.raises(ResolutionError, match=r"bf16 weights: native bf16 tiles for SM90 only, found NVIDIA RTX PRO "
+                                              r"6000 .* \(SM120\); 'pallas' runs bf16 experts"):
         resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16", expert_gemm="triton"), mesh)
     assert resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16"), mesh).expert_gemm == "pallas"
+    bf16_h200 = resolve(MoEConfig.kimi_k2(**SHAPE, weight_format="bf16", expert_gemm="triton"),
+                        _abstract_mesh("NVIDIA H200"), training=True)
+    assert bf16_h200.expert_gemm == "triton", bf16_h200.report
 
 
 def _mode() -> str:

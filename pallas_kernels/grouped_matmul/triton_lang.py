@@ -43,7 +43,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, pallas_triton
+from pallas_kernels.grouped_matmul import PALLAS, grouped_matmul_weight_grad, pallas_triton
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.expert_mlp import Backend
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
@@ -56,10 +56,12 @@ OPERAND_EXPONENT_DEFICIT = pallas_triton.OPERAND_EXPONENT_DEFICIT
 
 
 class Mode(enum.Enum):
-    """How the kernel multiplies: the FP4 tensor cores, or bf16 ones after dequantizing."""
+    """How the kernel multiplies: the FP4 tensor cores, bf16 ones after dequantizing, or bf16
+    weights as they are (``BF16``: the same tiling and schedule, nothing dequantized)."""
 
     W4A4 = "w4a4"
     W4A16 = "w4a16"
+    BF16 = "bf16"
 
 
 def mode_for(compute_capability: int) -> Mode:
@@ -148,6 +150,21 @@ INPUT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
 }
 
 
+# BF16 weights (``Mode.BF16``, :func:`bf16_matmul`): prefill tiles per capability and op, the
+# NVFP4 prefill schedule (swap-AB, 128 + 64 rows and a 64-row tail, so ~170 rows per expert fill
+# 192 MMA rows rather than two 128-row tiles' 256) with the weight tile read as it is. SM90: the
+# fastest of a sweep on an H200 at Kimi K2's size, 65536 rows over 384 experts
+# (results/prefill_h200/exploration_a480f3c_dirty/prefill_sweep.json): fused gate/up on 256 weight
+# rows (block_n 128 per half) 7.70 ms, 500 TFLOP/s (128 weight rows: 8.13 ms; the Pallas kernel
+# 9.95, torch._grouped_mm 7.98 without SwiGLU); down 4.09 ms, 470 TFLOP/s (Pallas 4.52, torch 4.15).
+# Wider weight tiles re-read each token tile from L2 fewer times: at 128 rows ncu measured the L2
+# at 92% of its throughput and the DRAM at 74%.
+BF16_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.MATMUL: _p(128, 128, 64, 8, 4, extra_m=64, tail_m=64),
+         Op.GATE_UP_SWIGLU: _p(128, 128, 64, 8, 3, extra_m=64, tail_m=64)},
+}
+
+
 def check_capability(compute_capability: int) -> None:
     if compute_capability not in NATIVE_TILES:
         raise ValueError(f"compute_capability: {compute_capability!r} has no native tile configurations; "
@@ -169,6 +186,7 @@ class NativeSpec:
     max_tiles: int
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
     out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
+    trans_w: bool = False  # BF16 only: the weight is stored [E, K, N_OUT] (an input gradient's W_e).
 
     @property
     def weight_rows(self) -> int:
@@ -182,7 +200,8 @@ class NativeSpec:
         """The kernel's ``tl.constexpr`` arguments."""
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
-            FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, NUM_TILES=self.max_tiles,
+            FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, BF16=self.mode is Mode.BF16,
+            TRANS_W=self.trans_w, NUM_TILES=self.max_tiles,
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
             BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
@@ -273,7 +292,8 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 @triton.jit
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
-            FUSED: tl.constexpr, W4A4: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+            FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+            NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
             EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
@@ -299,41 +319,43 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
                       OUT_K_ORDER)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
                            NUM_STAGES, OUT_K_ORDER)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
                        NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
                out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
-               W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+               W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+               EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+               OUT_K_ORDER: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
           K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
-          W4A4: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+          W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+          EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+          OUT_K_ORDER: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
@@ -348,13 +370,21 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
     r = tl.arange(0, R)
     half_r = r // BLOCK_N
     w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-    if W4A4:
-        w_at = w_ptr + expert * (N_W * (K // 2)) + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-    else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
-        w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
-    ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
-             + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    if BF16:
+        if TRANS_W:  # W_e stored [K, N_W]: the tile's weight rows are contiguous, its K steps strided
+            w_at = w_ptr + expert * (K * N_W) + (tl.arange(0, BLOCK_K)[None, :] * N_W + w_row_r[:, None])
+        else:
+            w_at = w_ptr + expert * (N_W * K) + (w_row_r[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        ws_at = w_scale_ptr
+    else:
+        if W4A4:
+            w_at = (w_ptr + expert * (N_W * (K // 2))
+                    + (w_row_r[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]))
+        else:  # whole 32-bit words (the buffer is 16-byte aligned and K // 2 a multiple of 32)
+            w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
+                    + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
+        ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
+                 + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
     x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, BLOCK_K, W4A4)
     if EXTRA_M > 0:
@@ -378,18 +408,24 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
                                      xs2_mb.to(tl.float8e4nv, bitcast=True), "e2m1", acc2)
         else:
             x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
-            w_rw = tl.load(w_at + i * (BLOCK_K // 8))
-            s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-            w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
+            if BF16:
+                if TRANS_W:
+                    w_rk = tl.load(w_at + i * (BLOCK_K * N_W))
+                else:
+                    w_rk = tl.load(w_at + i * BLOCK_K)
+            else:
+                w_rw = tl.load(w_at + i * (BLOCK_K // 8))
+                s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
+                w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
             acc = tl.dot(w_rk, tl.trans(x_mk), acc)
             if EXTRA_M > 0:
                 x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
                 acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
     _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
-              FUSED, W4A4, BLOCK_M, BLOCK_N, OUT_K_ORDER)
+              FUSED, W4A4, BF16, BLOCK_M, BLOCK_N, OUT_K_ORDER)
     if EXTRA_M > 0:
         _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
-                  G, FUSED, W4A4, EXTRA_M, BLOCK_N, OUT_K_ORDER)
+                  G, FUSED, W4A4, BF16, EXTRA_M, BLOCK_N, OUT_K_ORDER)
 
 
 @triton.jit
@@ -408,19 +444,21 @@ def _row_pointers(x_ptr, x_scale_ptr, first_row, local, K: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr,
-              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
     """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m``, applies SwiGLU
     (fused op) and stores the rows ``row_ok_m`` marks, columns in :func:`permute_k`'s order for
     ``block_k = OUT_K_ORDER`` if that is not 0."""
     # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
     # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
-    if W4A4:
-        row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
-    else:
-        row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
-    w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
-    acc = acc * w_global_r[:, None] * row_factor[None, :]
+    # BF16 weights carry no scales.
+    if not BF16:
+        if W4A4:
+            row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+        else:
+            row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+        w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
+        acc = acc * w_global_r[:, None] * row_factor[None, :]
     if FUSED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -495,11 +533,17 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
 
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
-              compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0) -> NativeSpec:
+              compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0,
+              trans_w: bool = False) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
     (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
     :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
     check_capability(compute_capability)
+    if mode is Mode.BF16 and tile is None:
+        if compute_capability not in BF16_TILES:
+            raise ValueError(f"compute_capability: {compute_capability!r} has no bf16 tile configurations; known: "
+                             f"{sorted(BF16_TILES)}")
+        tile = BF16_TILES[compute_capability][op]
     if tile is None and num_experts == 1:
         tile = one_group_tile(op, num_rows=num_rows, compute_capability=compute_capability)
     if (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
@@ -521,7 +565,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
         max_tiles=pallas_triton.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
-        out_k_order=out_k_order,
+        out_k_order=out_k_order, trans_w=trans_w,
     )
 
 
@@ -545,7 +589,7 @@ def _check_rows(x, mode: Mode, name: str, columns: str = "K") -> tuple[int, int]
     """Validates the activations for ``mode``; returns ``(M, C)``, C their reduced dimension
     (``columns``: ``K`` for the forward, ``N`` for the input gradient's ``dy``)."""
     match mode:
-        case Mode.W4A16:
+        case Mode.W4A16 | Mode.BF16:
             if not hasattr(x, "dtype") or np.dtype(x.dtype) != np.dtype(jnp.bfloat16) or x.ndim != 2:
                 found = f"{x.dtype}{list(x.shape)}" if hasattr(x, "dtype") else type(x).__name__
                 raise ValueError(f"{name}: {found}, expected bfloat16 [M, {columns}] (W4A16)")
@@ -634,6 +678,8 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
     """
     check_capability(compute_capability)
     mode = mode_for(compute_capability) if mode is None else mode
+    if mode is Mode.BF16:
+        raise ValueError("mode: BF16, expected W4A4 or W4A16 (bf16 weights go through bf16_matmul)")
     if mode is Mode.W4A4 and compute_capability < 100:
         raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
                          "FP4 MMA: SM100, SM120)")
@@ -671,6 +717,48 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
             assert_never(mode)
     return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
                   w.global_scale.reshape(num_experts, groups), out)
+
+
+def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
+                transpose_w: bool = False, out=None) -> jax.Array:
+    """The native schedule with bf16 weights (``Mode.BF16``): ``op`` on the rows of ``x_mk``.
+
+    Args:
+      op: ``Op.MATMUL`` (out bf16 ``[M, N]``, ``out[m] = x[m] @ W_e^T``) or ``Op.GATE_UP_SWIGLU``
+        (``w`` ``[E, 2F, K]``, gate rows then up rows; out bf16 ``[M, F]``).
+      x_mk: bf16 ``[M, K]``, rows sorted by expert.
+      w: bf16 ``[E, N, K]``; with ``transpose_w`` (``Op.MATMUL`` only) ``[E, K, N]`` read as its
+        transpose, so ``out[m] = x[m] @ W_e``: the input gradient of a forward that read ``W_e``.
+      group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
+      compute_capability: picks the tile (:data:`BF16_TILES`).
+      tile: overrides the table (benchmark sweeps).
+      out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased).
+
+    Raises:
+      ValueError: naming the argument, for a bad shape, dtype or capability.
+    """
+    m, k = _check_rows(x_mk, Mode.BF16, "x_mk")
+    num_experts = _check_group_sizes(group_sizes_e)
+    if op is Op.GATE_UP_SWIGLU and transpose_w:
+        raise ValueError("transpose_w: True, expected False for the fused gate/up (an input gradient is a matmul)")
+    if (not hasattr(w, "dtype") or np.dtype(w.dtype) != np.dtype(jnp.bfloat16) or w.ndim != 3
+            or w.shape[0] != num_experts or w.shape[1 if transpose_w else 2] != k):
+        found = f"{w.dtype}{list(w.shape)}" if hasattr(w, "dtype") else type(w).__name__
+        layout = f"[E={num_experts}, K={k}, N]" if transpose_w else f"[E={num_experts}, N, K={k}]"
+        raise ValueError(f"w: {found}, expected bfloat16 {layout} (group_sizes_e, x_mk)")
+    n_w = w.shape[2 if transpose_w else 1]
+    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    if n_out % 16 or n_out == 0 or (op is Op.GATE_UP_SWIGLU and n_w % 2):
+        raise ValueError(f"w: N={n_w}, expected a positive multiple of {32 if op is Op.GATE_UP_SWIGLU else 16}")
+    if out is not None and (tuple(out.shape) != (m, n_out) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
+    if m == 0:
+        return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
+    spec = make_spec(op, Mode.BF16, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
+                     compute_capability=compute_capability, tile=tile, trans_w=transpose_w)
+    # One-element placeholders for the scales BF16 never reads keep a single kernel signature.
+    u8, f32 = jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32)
+    return launch(spec, group_sizes_e, x_mk, u8, f32, w, u8, f32.reshape(1, 1), out)
 
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
@@ -841,7 +929,8 @@ def input_grad_kernel_function():
 def signature(spec: NativeSpec) -> dict[str, str]:
     """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
     x = "*u8" if spec.mode is Mode.W4A4 else "*bf16"
-    types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", "*u8", "*u8", "*fp32", "*bf16", "*bf16"]
+    w = "*bf16" if spec.mode is Mode.BF16 else "*u8"
+    types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", w, "*u8", "*fp32", "*bf16", "*bf16"]
     constexprs = spec.constexprs()
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
@@ -884,6 +973,40 @@ W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forw
                         input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad)
 
 
-__all__ = ["INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
-           "InputGradSpec", "W4A16_BACKEND", "input_grad", "k_order", "launch", "launch_input_grad",
+def _bf16_prefill(x_mk, group_sizes_e, compute_capability: int) -> bool:
+    """Whether ``bf16_matmul``'s prefill tiles take these rows (:func:`tuning.choose_variant`);
+    decode sizes stay on the Pallas kernels, which stream bf16 weights at the byte floor."""
+    return tuning.choose_variant(num_rows=x_mk.shape[0], num_experts=group_sizes_e.shape[0],
+                                 compute_capability=compute_capability) is Variant.PREFILL
+
+
+def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                             interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    if not _bf16_prefill(x_mh, group_sizes_e, compute_capability):
+        return PALLAS.forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
+                              interpret=False)
+    a_mf = bf16_matmul(Op.GATE_UP_SWIGLU, x_mh.astype(jnp.bfloat16), w_gate_up, group_sizes_e,
+                       compute_capability=compute_capability)
+    return bf16_matmul(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability)
+
+
+def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    if not _bf16_prefill(x_mk, group_sizes_e, compute_capability):
+        return PALLAS.matmul(x_mk, w, group_sizes_e, compute_capability=compute_capability, interpret=False)
+    return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability)
+
+
+#: bf16 weights as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM90, the
+#: capabilities of :data:`BF16_TILES`): the forward GEMMs at prefill sizes through
+#: :func:`bf16_matmul` (~170 rows per expert fill 192 MMA rows, not two 128-row tiles), decode
+#: sizes and both gradients through the Pallas kernels (as fast at the training shape: 609 and
+#: 612 TFLOP/s against 594-601 for the native tiles, benchmarks/results/prefill_h200/).
+BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward, matmul=_bf16_matmul,
+                       input_grad=PALLAS.input_grad, weight_grad=PALLAS.weight_grad)
+
+
+__all__ = ["BF16_BACKEND", "BF16_TILES", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
+           "InputGradSpec", "W4A16_BACKEND", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
            "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "run"]

@@ -248,3 +248,45 @@ def test_w4a16_word_pairs_and_column_order(block_k):
     thread = (np.arange(block_k) >> 1) & 3
     np.testing.assert_array_equal(perm // 8 // (block_k // 32), thread)
     assert sorted(perm) == list(range(block_k))
+
+
+@pytest.mark.parametrize("op,transpose_w", [(Op.GATE_UP_SWIGLU, False), (Op.MATMUL, False), (Op.MATMUL, True)],
+                         ids=["gate_up_swiglu", "matmul", "matmul_transposed_w"])
+def test_bf16_tiles_compile_to_wgmma_without_spills(op, transpose_w):
+    """``Mode.BF16``'s SM90 tiles at Kimi K2's projections over 384 experts: ``wgmma`` for both
+    row paths (block_m and extra_m), no spills, within the shared memory."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=65536, num_experts=384, k=k, n_out=n_out,
+                                 scale_groups=1, compute_capability=90, trans_w=transpose_w)
+    assert spec.tile == triton_lang.BF16_TILES[90][op]
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
+                                  constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
+                                  num_stages=spec.tile.num_stages, name=f"native_bf16_{op.value}")
+    mma = set(re.findall(EXPECTED[90][1], kernel.ptx))
+    assert {f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in (spec.tile.block_m, spec.tile.extra_m)} <= mma
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_bf16_bad_input_gets_one_line_naming_the_argument():
+    sizes, x = jnp.asarray([1, 2, 3, 4], jnp.int32), jnp.ones((10, 128), jnp.bfloat16)
+    w = jnp.ones((4, 64, 128), jnp.bfloat16)
+    cases = [
+        (dict(x=x.astype(jnp.float32)), r"^x_mk: float32\[10, 128\], expected bfloat16 \[M, K\]"),
+        (dict(w=w.astype(jnp.float32)), r"^w: float32\[4, 64, 128\], expected bfloat16 \[E=4, N, K=128\]"),
+        (dict(w=w[:3]), r"^w: bfloat16\[3, 64, 128\], expected bfloat16 \[E=4, N, K=128\]"),
+        (dict(transpose_w=True), r"^w: bfloat16\[4, 64, 128\], expected bfloat16 \[E=4, K=128, N\]"),
+        (dict(op=Op.GATE_UP_SWIGLU, transpose_w=True, w=jnp.ones((4, 128, 64), jnp.bfloat16)),
+         r"^transpose_w: True, expected False for the fused gate/up"),
+        (dict(cc=120), r"^compute_capability: 120 has no bf16 tile configurations; known: \[90\]$"),
+        (dict(out=jnp.zeros((10, 32), jnp.bfloat16)), r"^out: bfloat16\[10, 32\], expected bfloat16 \[10, 64\]$"),
+    ]
+    for change, message in cases:
+        args = dict(op=Op.MATMUL, x=x, w=w, sizes=sizes, cc=90, out=None, transpose_w=False) | change
+        with pytest.raises(ValueError, match=message):
+            triton_lang.bf16_matmul(args["op"], args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
+                                    out=args["out"], transpose_w=args["transpose_w"])
+    with pytest.raises(ValueError, match=r"^mode: BF16, expected W4A4 or W4A16 \(bf16 weights go through bf16_matmul\)$"):
+        triton_lang.run(Op.MATMUL, x, _nvfp4(), sizes, compute_capability=90, mode=triton_lang.Mode.BF16)

@@ -250,3 +250,62 @@ def test_native_input_grad_kimi_size_top_experts_match_float64_reference(rng, re
     n, k = {"gate_up_swiglu": (2 * F, H), "down": (H, F)}[op]
     _check_top_experts(rng, record_property, f"native input_grad {op}", triton_lang.input_grad, "nvfp4", (n, k), n, k,
                        lambda dy_mn, w_nk: dy_mn @ w_nk)
+
+
+# --- bf16 weights (Mode.BF16: the native schedule, nothing dequantized) -----------------------
+
+
+def _bf16_capability() -> int:
+    cc = _capability()
+    if cc not in triton_lang.BF16_TILES:
+        pytest.skip(f"SM{cc} has no native bf16 tiles (measured on SM90 only)")
+    return cc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,transpose_w", [(Op.MATMUL, False), (Op.MATMUL, True), (Op.GATE_UP_SWIGLU, False)],
+                         ids=["matmul", "matmul_transposed_w", "gate_up_swiglu"])
+def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w):
+    """The bf16 prefill tiles' three row paths (tail, ``block_m``, ``block_m + extra_m``) with
+    experts one row either side of each, empty ones between, 384 experts with the last used; a
+    NaN-poisoned output whose padding rows must keep their poison; float64 reference."""
+    cc = _bf16_capability()
+    tile = triton_lang.BF16_TILES[cc][op]
+    e, k, n_out = 384, 256, 128
+    tail, block, extra = tile.tail_m, tile.block_m, tile.extra_m
+    sizes = np.zeros(e, np.int32)
+    sizes[[0, 1, 2, 3, 5, 7, 100, 380, 381, 382, 383]] = [
+        tail, tail + 1, block, block + 1, block + extra, block + extra + 1, tail - 1, 1, block + extra - 1,
+        2 * (block + extra) + tail, 3 * (block + extra) + tail + 1]
+    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+    w64 = rng.standard_normal((e, n_w, k)) / np.sqrt(k)
+    w = jnp.asarray(np.swapaxes(w64, 1, 2) if transpose_w else w64, jnp.bfloat16)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    w64 = np.swapaxes(w64, 1, 2) if transpose_w else w64  # [E, N_W, K] either way
+    m, defined = int(sizes.sum()) + 29, int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
+    call = jax.jit(functools.partial(triton_lang.bf16_matmul, op, compute_capability=cc, transpose_w=transpose_w))
+    y = np.asarray(call(x, w, jnp.asarray(sizes), out=poisoned).astype(jnp.float32), np.float64)
+    x64, starts = np.asarray(x, np.float64), np.concatenate([[0], np.cumsum(sizes)])
+    want = np.concatenate([expert_reference("gate_up_swiglu" if op is Op.GATE_UP_SWIGLU else "down",
+                                            x64[starts[i]:starts[i + 1]], w64[i]) for i in range(e)])
+    assert np.isfinite(y[:defined]).all(), f"{np.count_nonzero(~np.isfinite(y[:defined]))} defined elements unwritten"
+    assert np.isnan(y[defined:]).all(), "padding rows were written"
+    rel = np.linalg.norm(y[:defined] - want) / np.linalg.norm(want)
+    assert rel < TOLERANCE, f"bf16 {op.value} transpose_w={transpose_w}: relative Frobenius error {rel:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_bf16_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
+    """384 experts of Kimi K2's bf16 projections (the down weights end past 2**33 bytes), the top
+    expert ids, NaN-poisoned outputs: the harness of ``test_kimi_size_gpu.py``."""
+    _bf16_capability()
+    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
+
+    def kernel(x, w, sizes, *, compute_capability, out):
+        return triton_lang.bf16_matmul(kernel_op, x, w, sizes, compute_capability=compute_capability, out=out)
+
+    _check_top_experts(rng, record_property, f"native bf16 {op}", kernel, "bf16", (n, k), k, n_out,
+                       lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))

@@ -1,0 +1,87 @@
+"""The bf16 branch of the native kernels (``Mode.BF16``: the W4A16 schedule with bf16 weights read
+as they are), executed in Triton's interpreter on CPU.
+
+The kernel as the GPU gets it: ``triton_lang.make_spec``'s tile for ``Mode.BF16`` (or the one
+under test), the real tile schedule, NaN-poisoned outputs whose padding rows must stay NaN, every
+load and store bounds-checked; the forward kernels (plain and fused gate/up + SwiGLU) and the
+transposed-weight matmul (an input gradient's ``dy @ W_e``) against float64.
+
+Run by ``./run test`` in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import interpreted
+from nvfp4_float64 import compare
+from pallas_kernels.grouped_matmul import triton_lang
+from pallas_kernels.grouped_matmul.tuning import Op, prefill_tile
+
+CC = 90
+
+
+def _bf16(rng, shape) -> np.ndarray:
+    return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+
+def _expert(op: Op, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
+    h = x_mk @ w_nk.T
+    if op is Op.MATMUL:
+        return h
+    gate, up = np.split(h, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: bool = False, experts=None,
+            seed: int = 0, padding: int = 3) -> float:
+    """Runs the kernel on random bf16 rows and weights; asserts and returns its relative error."""
+    rng = np.random.default_rng(seed)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    experts = experts or len(group_sizes)
+    if len(group_sizes) < experts:  # the used experts are the last ones
+        group_sizes = np.concatenate([np.zeros(experts - len(group_sizes), np.int32), group_sizes])
+    n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+    w_enk = (rng.standard_normal((experts, n_w, k)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
+    stored = np.ascontiguousarray(np.swapaxes(w_enk, 1, 2)) if transpose_w else w_enk
+    total = int(group_sizes.sum())
+    m = total + padding
+    x = _bf16(rng, (m, k))
+    spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+                                 scale_groups=1, compute_capability=CC, tile=tile, trans_w=transpose_w)
+    interpreted.reset()
+    out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
+    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
+    buffers += [interpreted.buffer(x, "x"),
+                interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
+                interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
+                interpreted.buffer(stored, "w"), interpreted.buffer(np.zeros(1, np.uint8), "w.scales (unread)"),
+                interpreted.buffer(np.zeros((1, 1), np.float32), "w.global_scale (unread)"),
+                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
+    got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    starts = np.concatenate([[0], np.cumsum(group_sizes)])
+    want = np.concatenate([_expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e].astype(np.float64))
+                           for e in range(experts)])
+    return compare(got, want, total, spec.tile)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_the_sm90_table_tiles(op):
+    """The table's tiles with each of their row paths: a 64-row tail, 128 rows, 128 + 64 in two
+    MMAs, and an expert of more than one tile, among empty experts."""
+    forward(op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128 if op is Op.MATMUL else 128)
+
+
+def test_the_transposed_weight_matmul():
+    """``transpose_w``: ``W_e`` stored ``[K, N]`` (an input gradient's weight as the forward stores it)."""
+    forward(Op.MATMUL, [70, 0, 130, 9], k=192, n_out=128, transpose_w=True)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["stored", "transposed"])
+def test_kimi_k2_s_last_experts(transpose_w):
+    """384 experts with only the last four used: the 64-bit expert offsets of the weights reach
+    the end of the buffer (a wrong stride lands outside it, which the bounds checks see)."""
+    forward(Op.MATMUL, [3, 70, 0, 200], k=128, n_out=64, experts=384, transpose_w=transpose_w,
+            tile=prefill_tile(64, 64, 64, 4, 2, extra_m=64, tail_m=32))

@@ -1,5 +1,5 @@
 """The exchanges' bytes model: what each moves across the expert axis per token and layer,
-expected under uniform routing, before anything runs. ``auto`` orders the exchanges by it
+expected under uniform routing (independent random router scores), before anything runs. ``auto`` orders the exchanges by it
 (:mod:`moe_jax.exchange`) and ``moe-jax explain`` prints it.
 
 Per token of a device, per layer, with ``D`` devices on the expert axis, ``k`` experts per
@@ -8,8 +8,8 @@ token, hidden ``H``, activations of ``a`` bytes (``config.dtype``):
 * ``none``: nothing.
 * ``ragged``: one row per (token, expert) on another device, each way:
   ``k (D - 1) / D`` rows of ``H a`` bytes out, as many back (the expert outputs, ``config.dtype``).
-* ``onecopy``: one copy per other device holding one of the token's experts (``r`` of them,
-  :func:`expected_devices`): ``r`` rows of ``H a`` bytes plus ``k`` int32 ids and ``k`` float32
+* ``onecopy``: one copy per other device holding one of the token's experts (``r`` of them:
+  :func:`expected_devices` times ``(D - 1) / D``): ``r`` rows of ``H a`` bytes plus ``k`` int32 ids and ``k`` float32
   weights out, ``r`` float32 partial sums of ``4 H`` bytes back.
 * ``padded``: dense per-peer buffers of the bucket above the load, ``1.25 k T / D`` rows
   (:data:`sharding.exchange.layout.BUCKET_FACTORS`) to each of ``D - 1`` peers, each way.
@@ -38,21 +38,26 @@ RAGGED_COLLECTIVE = ("ragged", "onecopy")
 
 
 def expected_devices(num_experts: int, top_k: int, devices: int, num_groups: int = 1, topk_groups: int = 1) -> float:
-    """The expected number of devices holding at least one of a token's experts.
+    """The expected number of devices holding at least one of a token's experts, under
+    independent random router scores.
 
-    Uniform routing: the token picks ``topk_groups`` of ``num_groups`` expert groups uniformly,
-    then ``top_k`` distinct experts uniformly among those groups' experts (no group limit:
-    ``num_groups = 1``). Experts are split over devices in contiguous blocks of ``E / D``, as
-    groups are over experts. Exact: an average over the group choices of
-    ``sum_d 1 - C(n - m_d, k) / C(n, k)`` (``n`` experts chosen from, ``m_d`` of them on ``d``).
+    The token's ``topk_groups`` of ``num_groups`` expert groups are equally likely (no group
+    limit: ``num_groups = 1``). A chosen group holds at least one of its experts (the router
+    ranks groups by their best experts' scores), so a device holding a whole chosen group is
+    hit; on any other device the ``top_k`` experts count as uniform among the chosen groups'
+    ``n`` experts: hit with probability ``1 - C(n - m, k) / C(n, k)`` for its ``m`` of them.
+    Experts are split over devices in contiguous blocks of ``E / D``, as over groups.
+    (Checked against the router on random scores: ``tests/test_exchange_traffic.py``.)
     """
     e_l, per_group = num_experts // devices, num_experts // num_groups
     total, choices = 0.0, 0
     for groups in itertools.combinations(range(num_groups), topk_groups):
-        allowed = [g * per_group + i for g in groups for i in range(per_group)]
-        n = len(allowed)
-        on_device = [sum(1 for e in allowed if e // e_l == d) for d in range(devices)]
-        total += sum(1 - math.comb(n - m, top_k) / math.comb(n, top_k) for m in on_device)
+        n = len(groups) * per_group
+        for d in range(devices):
+            mine = range(d * e_l, (d + 1) * e_l)
+            m = sum(1 for g in groups for e in range(g * per_group, (g + 1) * per_group) if e in mine)
+            whole = any(g * per_group >= mine.start and (g + 1) * per_group <= mine.stop for g in groups)
+            total += 1.0 if whole else 1 - math.comb(n - m, top_k) / math.comb(n, top_k)
         choices += 1
     return total / choices
 

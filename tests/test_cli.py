@@ -23,6 +23,19 @@ def test_explain_for_an_abstract_rtx_pro_6000(capsys):
     assert "SM120" in capsys.readouterr().out
 
 
+def test_explain_prints_bytes_buffers_and_link_time_for_the_seed_configuration(capsys):
+    """The seed user's 8 RTX PRO 6000 over PCIe (~55 GB/s): per exchange, bytes per token per
+    layer, buffers and time (moe_jax.traffic; tests/test_exchange_traffic.py checks the numbers)."""
+    assert cli.main(["explain", "--preset", "kimi_k2", "--weight-format", "nvfp4", "--ep", "8", "--device-kind",
+                     "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "--link-gbps", "55"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  exchange: onecopy  (requested 'auto'; auto: fewest bytes per token per layer")
+               for line in lines)
+    assert "  ragged     dispatch  100.4 KB  combine  100.4 KB  buffers 7.52 GB  at 55 GB/s: 7.47 + 7.47 ms" in lines
+    assert " *onecopy    dispatch   66.5 KB  combine  132.5 KB  buffers 8.93 GB  at 55 GB/s: 4.95 + 9.87 ms" in lines
+    assert sum(line.startswith(("  ", " *")) and " dispatch " in line for line in lines) == 4  # all but none
+
+
 def test_explain_reports_an_invalid_choice(capsys):
     assert cli.main(["explain", "--expert-gemm", "cutlass"]) == 1
     assert "MoEConfig.expert_gemm = 'cutlass'" in capsys.readouterr().err

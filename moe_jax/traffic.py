@@ -1,6 +1,6 @@
 """The exchanges' bytes model: what each moves across the expert axis per token and layer,
-expected under uniform routing (independent random router scores), before anything runs. ``auto`` orders the exchanges by it
-(:mod:`moe_jax.exchange`) and ``moe-jax explain`` prints it.
+expected under uniform routing (independent random router scores), before anything runs.
+``auto`` orders the exchanges by it (:mod:`moe_jax.exchange`) and ``moe-jax explain`` prints it.
 
 Per token of a device, per layer, with ``D`` devices on the expert axis, ``k`` experts per
 token, hidden ``H``, activations of ``a`` bytes (``config.dtype``):

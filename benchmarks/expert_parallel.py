@@ -171,6 +171,8 @@ def exchange_benchmarks(ep: int, tokens: int, shape: dict, iters: int, smoke: bo
     to_peers = float(np.mean([(owner[s] != s).sum() for s in range(ep)]))
     payload = to_peers * h * 2
     counts = np.stack([np.bincount(owner[s], minlength=ep) for s in range(ep)])
+    # onecopy: distinct other devices per token (mean over devices)
+    copies = float(np.mean([sum(len(set(t.tolist()) - {s}) for t in owner[s].reshape(tokens, k)) for s in range(ep)]))
     per_peer = buffer_buckets(math.ceil(rows / ep), rows, BUCKET_FACTORS)
     chosen = next(b for b in per_peer if b >= counts.max())
     ref_bytes = rows * (ep - 1) / ep * h * 2
@@ -221,12 +223,16 @@ def exchange_benchmarks(ep: int, tokens: int, shape: dict, iters: int, smoke: bo
                     exchanges[label] = (name, minimum, functools.partial(sharding.ragged_exchange, min_updates_per_peer=minimum))
             case "ragged":
                 pass
+            case "onecopy" if not smoke:  # XLA:CPU has no ragged_all_to_all
+                exchanges[name] = (name, None, sharding.onecopy_exchange)
+            case "onecopy":
+                pass
             case "padded":
                 exchanges[name] = (name, None, sharding.padded_exchange)
             case "allgather":
                 exchanges[name] = (name, None, sharding.allgather_exchange)
             case other:
-                raise ValueError(f"--exchanges: {other!r}, expected ragged, padded or allgather")
+                raise ValueError(f"--exchanges: {other!r}, expected ragged, onecopy, padded or allgather")
     for label, (name, minimum, exchange) in exchanges.items():
         def body(x, ids, w, exchange=exchange):
             return exchange(x, ids, w, identity, num_experts=e, axis_name="expert", capacity_factor=None)[0]
@@ -239,6 +245,9 @@ def exchange_benchmarks(ep: int, tokens: int, shape: dict, iters: int, smoke: bo
             case "padded":
                 wire = 2 * (ep - 1) * chosen * h * 2
                 extra = {"per_peer_buffer_rows": chosen, "max_rows_to_one_peer": int(counts.max())}
+            case "onecopy":  # copies out (row, int32 ids, float32 weights), float32 partial sums back
+                wire = copies * (h * 2 + k * 8) + copies * h * 4
+                extra = {"copies_per_device": copies}
             case "allgather":
                 wire = (ep - 1) * tokens * h * (2 + 4)
                 extra = {}
@@ -285,7 +294,7 @@ def layer_benchmarks(eps: list[int], tokens_list: list[int], config, iters: int,
 # --- report ----------------------------------------------------------------------------------------
 
 
-EXCHANGE_NAMES = ("ragged", "padded", "allgather")
+EXCHANGE_NAMES = ("ragged", "onecopy", "padded", "allgather")
 
 
 def summarize(results: dict) -> list[dict]:
@@ -420,7 +429,7 @@ def main():
     parser.add_argument("--layer-tokens", type=int, nargs="+", default=[32, 512, 8192], help="tokens in all")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--layer-iters", type=int, default=5)
-    parser.add_argument("--exchanges", nargs="+", default=["ragged", "padded", "allgather"])
+    parser.add_argument("--exchanges", nargs="+", default=["ragged", "onecopy", "padded", "allgather"])
     parser.add_argument("--raw-updates", type=int, nargs="+", default=[1, 128], help="raw ragged updates per peer")
     parser.add_argument("--ragged-min-updates", type=int, nargs="+", default=None,
                         help="ragged exchange variants (default: the registered setting)")

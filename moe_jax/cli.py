@@ -131,11 +131,26 @@ def explain(args) -> int:
     print(plan.report)
     from moe_jax import memory  # noqa: PLC0415
 
-    print(memory.report(config, exchange=plan.exchange, tokens_per_device=args.tokens_per_device or 4096,
+    tokens = args.tokens_per_device or 4096
+    print(memory.report(config, exchange=plan.exchange, tokens_per_device=tokens,
                         expert_parallel=plan.target.expert_parallel, moe_layers=_moe_layers(args),
                         device_kind=plan.target.device_kind,
                         device_memory=None if args.device_memory_gb is None else int(args.device_memory_gb * memory.GB)))
+    print(_traffic_report(plan, tokens, args.link_gbps))
     return 0
+
+
+def _traffic_report(plan, tokens_per_device: int, link_gbps: float | None) -> str:
+    """:func:`moe_jax.traffic.report` for the exchanges that can run on ``plan``'s target."""
+    from moe_jax import memory, traffic  # noqa: PLC0415
+    from moe_jax.exchange import EXCHANGE, ragged_all_to_all_emulation  # noqa: PLC0415
+
+    target, config = plan.target, plan.config
+    runnable = tuple(i.name for i in EXCHANGE.implementations if i.cannot_run(target, config) is None)
+    buffers = {n: memory.exchange_buffer_bytes(config, n, tokens_per_device, target.expert_parallel) for n in runnable}
+    return traffic.report(config, exchanges=runnable, chosen=plan.exchange, expert_parallel=target.expert_parallel,
+                          emulated=ragged_all_to_all_emulation(target) is not None, tokens_per_device=tokens_per_device,
+                          buffers=buffers, link_gbps=link_gbps)
 
 
 def _bar(label: str, total: int) -> tqdm:
@@ -244,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-config", help="a model's config.json (or its directory) instead of --preset: its MoE "
                                        "layer's shape and its number of MoE layers, for the memory estimate")
     p.add_argument("--device-memory-gb", type=positive_float, help="the target's memory, where its kind is not known")
+    p.add_argument("--link-gbps", type=positive_float,
+                   help="also print how long each exchange's bytes take at this many GB/s out of each device "
+                        "(e.g. 55 for PCIe Gen5 peer to peer)")
     p.set_defaults(run=explain, parser=p)
 
     p = sub.add_parser("selftest", help="check every implementation that can run here, stage and whole layer, "

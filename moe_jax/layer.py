@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
-from moe_jax.exchange import EXCHANGE
+from moe_jax.exchange import EXCHANGE, run_options
 from moe_jax.expert_gemm import EXPERT_GEMM, shared_expert_mlp
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
@@ -302,10 +302,10 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
             return expert_impl.run(x_mh, group_sizes_e, expert_weights, plan)
 
     with jax.named_scope(plan.scope(EXCHANGE.stage)):
-        y_th, dropped = EXCHANGE[plan.exchange].run(
+        y_th, dropped, rows_sent = EXCHANGE[plan.exchange].run(
             x_th.astype(dtype), ids_tk, weights_tk, expert_fn,
             num_experts=config.num_experts, axis_name=config.expert_axis,
-            capacity_factor=config.capacity_factor,
+            capacity_factor=config.capacity_factor, **run_options(plan),
         )
     if "shared" in params:
         y_th = y_th + shared_expert_mlp(x_th, params["shared"]["w_gate_up_gh"], params["shared"]["w_down_hs"], plan)
@@ -319,7 +319,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     nonfinite = jnp.sum(valid_t & ~finite_t).astype(jnp.int32)
     if axis_names:
         # Every statistic is a sum over tokens until here, so one psum makes it the mesh's.
-        sums, dropped, nonfinite = jax.lax.psum((sums, dropped, nonfinite), axis_names)
+        sums, dropped, nonfinite, rows_sent = jax.lax.psum((sums, dropped, nonfinite, rows_sent), axis_names)
     (counts_e, prob_sum_e, num_counted), z_sum = sums
     stats = {
         "tokens_per_expert": counts_e,
@@ -327,6 +327,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
         "router_z_loss": router.router_z_loss(z_sum, num_counted),
         "dropped": dropped.astype(jnp.int32),
         "nonfinite_tokens": nonfinite,
+        "rows_sent": rows_sent.astype(jnp.int32),
     }
     return y_th.astype(dtype), stats
 
@@ -365,7 +366,9 @@ def moe_forward(params: Params, x: jax.Array, plan: Plan | MoEConfig, *,
       float32 (Switch-Transformer auxiliary loss, 1.0 when balanced, 0.0 for no tokens),
       ``router_z_loss`` float32 (ST-MoE's ``mean_t logsumexp(logits_t)^2``, 0.0 for no
       tokens), ``dropped`` int32 (assignments dropped by a capacity; always 0 when dropless)
-      and ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their
+      ``rows_sent`` int32 (rows that crossed the expert axis in this call's dispatch, summed over
+      the devices; what a row is depends on the exchange: :mod:`sharding.exchange`; 0 on one
+      device) and ``nonfinite_tokens`` int32 (tokens with a non-finite value in ``x`` or in their
       router logits: they route nowhere and every computation reads them as zeros, so one bad
       token changes no other token's output, no statistic and no gradient; their own outputs
       are NaN). Both losses are

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 
 from moe_jax.config import MoEConfig
-from sharding.exchange.layout import worst_case_received
+from sharding.exchange.layout import worst_case_received, worst_case_tokens_received
 
 GB = 10**9
 
@@ -64,7 +64,8 @@ def weight_bytes(config: MoEConfig, expert_parallel: int = 1) -> dict[str, int]:
 
 def exchange_buffer_bytes(config: MoEConfig, exchange: str, tokens_per_device: int, expert_parallel: int) -> int:
     """The largest buffers ``exchange`` holds at once for ``tokens_per_device`` tokens (bf16 rows
-    of ``H``; float32 partial sums where the exchange reduces them)."""
+    of ``H``; float32 partial sums where the exchange reduces them). The senders' own sorted rows
+    are not counted."""
     t, k, h, d = tokens_per_device, config.top_k, config.hidden_size, expert_parallel
     row = h * 2
     match exchange:
@@ -74,8 +75,12 @@ def exchange_buffer_bytes(config: MoEConfig, exchange: str, tokens_per_device: i
             return d * t * (row + h * 4)
         case "ragged" | "padded":  # the receive buffer, both ways, at the dropless worst case
             return 2 * worst_case_received(t, k, d, config.num_experts // d) * row
+        case "onecopy":  # ragged's expanded rows both ways, plus the copies received and their float32 sums
+            return 2 * worst_case_received(t, k, d, config.num_experts // d) * row + \
+                worst_case_tokens_received(t, d) * (row + h * 4)
         case _:
-            raise ValueError(f"exchange: {exchange!r}, expected one of 'none', 'allgather', 'ragged', 'padded'")
+            raise ValueError(f"exchange: {exchange!r}, expected one of 'none', 'allgather', 'ragged', 'onecopy', "
+                             "'padded'")
 
 
 def layer_memory(config: MoEConfig, *, exchange: str, tokens_per_device: int, expert_parallel: int) -> LayerMemory:

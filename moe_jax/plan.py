@@ -27,9 +27,11 @@ class Decision:
     chosen: str
     why: str
     rejected: tuple[tuple[str, str], ...]  # (name, reason) for every implementation not chosen
+    note: str | None = None  # how the chosen one runs here, where that is not the obvious way
 
     def lines(self) -> list[str]:
-        out = [f"  {self.stage}: {self.chosen}  (requested {self.requested!r}; {self.why})"]
+        chosen = self.chosen if self.note is None else f"{self.chosen} ({self.note})"
+        out = [f"  {self.stage}: {chosen}  (requested {self.requested!r}; {self.why})"]
         out += [f"      not {name}: {reason}" for name, reason in self.rejected]
         return out
 
@@ -50,6 +52,9 @@ class Plan:
     # device through the routed experts' kernels (0: never), and the report's line for it.
     shared_kernel_max_tokens: int = 0
     shared: str = "none"
+    # Why the exchange's ragged_all_to_all runs as its twin (moe_jax.exchange.ragged_all_to_all_emulation),
+    # or None: the backend's own collective, or an exchange without it.
+    exchange_emulation: str | None = None
 
     def chosen(self, stage: str) -> str:
         for decision in self.decisions:

@@ -10,6 +10,7 @@ runs, not with this module, so that ``import moe_jax`` and the config stay light
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from moe_jax.auto import AUTO
 from moe_jax.config import MoEConfig
-from moe_jax.plan import EXPERT_GEMM_STAGE, Decision, Plan
+from moe_jax.plan import EXCHANGE_STAGE, EXPERT_GEMM_STAGE, Decision, Plan
 from moe_jax.registry import Registry, Target
 
 # device_kind -> compute capability, for devices that do not report one (abstract devices
@@ -154,6 +155,20 @@ def _decide(registry: Registry, requested: str, target: Target, config: MoEConfi
     return Decision(registry.stage, AUTO, chosen, why, rejected)
 
 
+def _note_emulation(decisions: tuple[Decision, ...], target: Target) -> tuple[tuple[Decision, ...], str | None]:
+    """The decisions, the exchange's noting that its ragged_all_to_all is emulated here (and
+    why), and that reason (None where the collective is the backend's or not used)."""
+    from moe_jax.exchange import ragged_all_to_all_emulation  # noqa: PLC0415 (loaded with the registries)
+    from moe_jax.traffic import RAGGED_COLLECTIVE  # noqa: PLC0415
+
+    exchange = next(d for d in decisions if d.stage == EXCHANGE_STAGE)
+    reason = ragged_all_to_all_emulation(target) if exchange.chosen in RAGGED_COLLECTIVE else None
+    if reason is None:
+        return decisions, None
+    noted = dataclasses.replace(exchange, note=reason)
+    return tuple(noted if d is exchange else d for d in decisions), reason
+
+
 def resolve(
     config: MoEConfig,
     devices_or_mesh: Mesh | AbstractMesh | Sequence[jax.Device] | None = None,
@@ -181,9 +196,10 @@ def resolve(
         _check_registered(registry, getattr(config, registry.stage))
     target = target_for(devices_or_mesh, config, training=training, tokens_per_device=tokens_per_device)
     decisions = tuple(_decide(r, getattr(config, r.stage), target, config) for r in registries)
+    decisions, emulation = _note_emulation(decisions, target)
     expert_gemm = next(d.chosen for d in decisions if d.stage == EXPERT_GEMM_STAGE)
     mesh = devices_or_mesh if isinstance(devices_or_mesh, (Mesh, AbstractMesh)) else None
     shared_max_tokens, shared = shared_expert_plan(config, target, expert_gemm)
     return Plan(config=config, target=target, decisions=decisions, mesh=mesh,
                 activations=activations_report(config, target, expert_gemm),
-                shared_kernel_max_tokens=shared_max_tokens, shared=shared)
+                shared_kernel_max_tokens=shared_max_tokens, shared=shared, exchange_emulation=emulation)

@@ -23,6 +23,19 @@ def test_explain_for_an_abstract_rtx_pro_6000(capsys):
     assert "SM120" in capsys.readouterr().out
 
 
+def test_explain_prints_bytes_buffers_and_link_time_for_the_seed_configuration(capsys):
+    """The seed user's 8 RTX PRO 6000 over PCIe (~55 GB/s): per exchange, bytes per token per
+    layer, buffers and time (moe_jax.traffic; tests/test_exchange_traffic.py checks the numbers)."""
+    assert cli.main(["explain", "--preset", "kimi_k2", "--weight-format", "nvfp4", "--ep", "8", "--device-kind",
+                     "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "--link-gbps", "55"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  exchange: onecopy  (requested 'auto'; auto: fewest bytes per token per layer")
+               for line in lines)
+    assert "  ragged     dispatch  100.4 KB  combine  100.4 KB  buffers 7.52 GB  at 55 GB/s: 7.47 + 7.47 ms" in lines
+    assert " *onecopy    dispatch   66.5 KB  combine  132.5 KB  buffers 8.93 GB  at 55 GB/s: 4.95 + 9.87 ms" in lines
+    assert sum(line.startswith(("  ", " *")) and " dispatch " in line for line in lines) == 4  # all but none
+
+
 def test_explain_reports_an_invalid_choice(capsys):
     assert cli.main(["explain", "--expert-gemm", "cutlass"]) == 1
     assert "MoEConfig.expert_gemm = 'cutlass'" in capsys.readouterr().err
@@ -95,7 +108,8 @@ def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys, cpu_devi
     assert lines[0] == "moe-jax selftest on 8 x cpu (cpu), seed 3"
     assert lines[1].startswith(f"versions: python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib ")
     assert lines[3] == "moe-jax plan: 384 experts, top-8, hidden 7168, expert intermediate 2048, nvfp4 weights"
-    assert "  exchange: padded  (requested 'auto'; auto: XLA:CPU has no ragged_all_to_all; padded buffers follow the load)" in lines
+    assert any(line.startswith("  exchange: padded  (requested 'auto'; auto: fewest bytes per token per layer")
+               for line in lines)
     table = lines.index("| check | implementation | mode | exchange | devices | capability | shape | weights | compared "
                         "| rel. error | tolerance | result | time (ms) |")
     # The layer with every exchange XLA:CPU runs: without a mesh on one device, else on all 8.
@@ -107,5 +121,5 @@ def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys, cpu_devi
         ["| layer", "xla", "ragged_dot", *exchange_devices, "cpu", "small", "bf16"] for exchange_devices in layers]
     assert all("| PASS |" in line for line in lines[table + 2:end])
     assert lines[end:end + 3] == ["", "Not run here:", "- full-size (kimi_k2) cases: skipped (--quick)"]
-    assert any("XLA:CPU does not implement ragged_all_to_all" in line for line in lines[end + 3:])
+    assert ["ragged", "8"] in layers and ["onecopy", "8"] in layers  # on the twin of ragged_all_to_all
     assert lines[-1] == f"all {len(layers) + 1} checks passed"

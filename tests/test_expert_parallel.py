@@ -1,11 +1,9 @@
 """Expert parallelism on 8 virtual CPU devices: the layer under ``shard_map`` equals the
 layer on one device, for every exchange, expert-parallel size, top-k and weight format.
 
-``ragged`` cannot run on XLA:CPU (no ``ragged_all_to_all``), so its tests swap in an
-emulation of that collective built from ``all_gather`` and a scatter, which also checks
-what the GPU kernel would not: both ends agree on sizes, no slice leaves its buffer, and the
-``output`` buffer is typed to vary like the operand (the real primitive types its result
-like ``output``; typed invariant, its cotangent would be summed over devices).
+XLA:CPU has no ``ragged_all_to_all``: ``ragged`` and ``onecopy`` execute here on its twin
+(``sharding.exchange.emulated``, tested against the collective's docstring in
+``tests/sharding/test_ragged_emulation.py``), as resolution arranges and reports.
 
 Tolerances. Both paths compute every row from the same bf16 inputs with float32
 accumulation and round at the same two points (the SwiGLU output and the layer output);
@@ -32,62 +30,25 @@ import moe_jax
 import sharding
 from moe_jax import MoEConfig, ResolutionError, moe_forward, resolve
 from moe_jax.layer import param_shardings, shard_params
+from sharding.exchange.emulated import ragged_all_to_all as emulated
 
 E, H, F = 16, 32, 32
 TOKENS = 8 * 5 + 3  # not a multiple of the 8 devices: the layer pads
 BASE = MoEConfig(num_experts=E, top_k=2, hidden_size=H, expert_intermediate_size=F, num_shared_experts=1)
 
 
-def emulated_ragged_all_to_all(violations):
-    """``jax.lax.ragged_all_to_all`` from ``all_gather`` + scatter; bad metadata goes to ``violations``."""
-    def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
-                          axis_index_groups=None):
-        assert axis_index_groups is None
-        # The real primitive types its result like ``output``: it must vary wherever the
-        # operand does, or gradients get summed over devices.
-        varying = lambda a: jax.typeof(a).manual_axis_type.varying
-        assert varying(operand) | {axis_name} <= varying(output), (varying(operand), varying(output))
-        d = jax.lax.axis_size(axis_name)
-        me = jax.lax.axis_index(axis_name)
-        u = input_offsets.shape[0] // d
-        n, m = operand.shape[0], output.shape[0]
-        operands = jax.lax.all_gather(operand, axis_name)  # [source, N, H]
-        meta = [jax.lax.all_gather(a, axis_name).reshape(d, d, u)[:, me] for a in (input_offsets, send_sizes, output_offsets)]
-        start_su, size_su, at_su = meta  # what each source sends this device
-        rows = jnp.arange(max(n, 1))
-        valid = rows < size_su[..., None]
-        source = jnp.broadcast_to(jnp.arange(d)[:, None, None], valid.shape)
-        values = operands[source, jnp.clip(start_su[..., None] + rows, 0, n - 1)]
-        target = jnp.where(valid, at_su[..., None] + rows, m)
-        bad = (jnp.sum(size_su != recv_sizes.reshape(d, u)) + jnp.sum((start_su < 0) | (start_su + size_su > n))
-               + jnp.sum((at_su < 0) | (at_su + size_su > m)))
-        jax.debug.callback(lambda b: violations.append(int(b)), bad)
-        return output.at[target.reshape(-1)].set(values.reshape(-1, *operand.shape[1:]), mode="drop")
-    return ragged_all_to_all
-
-
-#: Exchanges whose collective XLA:CPU lacks, and the emulation that stands in for it here.
-EMULATED = {"ragged": emulated_ragged_all_to_all}
-
-
 @pytest.fixture
-def plan_for(monkeypatch):
-    """``plan_for(config, mesh, exchange)``: a plan that runs ``exchange`` (``"auto"``: what
-    resolution picks); an exchange that cannot run here runs on its emulation (:data:`EMULATED`)
-    or, without one, skips with its reason."""
-    violations = []
-    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all(violations))
-
+def plan_for():
+    """``plan_for(config, mesh, exchange)``: the plan that runs ``exchange`` (``"auto"``: what
+    resolution picks); ``ragged`` and ``onecopy`` run on XLA:CPU through the twin of
+    ``ragged_all_to_all`` (``sharding.exchange.emulated``), which resolution notes in the plan."""
     def make_plan(config, mesh, exchange):
         try:
             return resolve(dataclasses.replace(config, exchange=exchange), mesh)
         except ResolutionError as err:
-            if exchange not in EMULATED:
-                pytest.skip(str(err))
-            return swap_exchange(resolve(dataclasses.replace(config, exchange="auto"), mesh), exchange)
+            pytest.skip(str(err))
 
-    yield make_plan
-    assert violations == [0] * len(violations), "ragged metadata out of bounds or inconsistent"
+    return make_plan
 
 
 def single_device(params, x, config, cpu_devices):
@@ -123,9 +84,8 @@ def test_matches_single_device(rng, cpu_devices, plan_for, ep, exchange, top_k, 
 
 
 @pytest.mark.parametrize("min_updates_per_peer", [1, 24])
-def test_sliced_ragged_updates_match_padded(rng, cpu_devices, plan_for, min_updates_per_peer):
+def test_sliced_ragged_updates_match_padded(rng, cpu_devices, min_updates_per_peer):
     """GPUs slice each (peer, expert) update for parallelism; slices must reassemble exactly."""
-    del plan_for  # only for its emulation of ragged_all_to_all
     ep, e, k, tokens = 4, 8, 3, 6
     mesh = jax.make_mesh((ep,), ("expert",), devices=cpu_devices[:ep], axis_types=(jax.sharding.AxisType.Auto,))
     x_th = jnp.asarray(rng.standard_normal((ep * tokens, H)), jnp.float32)
@@ -143,7 +103,9 @@ def test_sliced_ragged_updates_match_padded(rng, cpu_devices, plan_for, min_upda
 
     expected = np.einsum("tk,tkh->th", weights_tk, x_th[:, None, :] * (1.0 + (ids_tk % (e // ep)) + 10.0 * (ids_tk // (e // ep)))[..., None])
     np.testing.assert_allclose(run(sharding.padded_exchange), expected, rtol=1e-6)
-    np.testing.assert_allclose(run(sharding.ragged_exchange, min_updates_per_peer=min_updates_per_peer), expected, rtol=1e-6)
+    for exchange in (sharding.ragged_exchange, sharding.onecopy_exchange):
+        np.testing.assert_allclose(run(exchange, min_updates_per_peer=min_updates_per_peer, ragged_all_to_all=emulated),
+                                   expected, rtol=1e-6)
 
 
 def skewed(config, rng, chosen):
@@ -267,10 +229,12 @@ def test_shard_params_splits_expert_memory(rng, cpu_devices):
 def test_auto_and_explicit_choices(cpu_devices):
     mesh = mesh_for(4, cpu_devices)
     plan = resolve(BASE, mesh)
-    assert plan.exchange == "padded"
-    assert "XLA:CPU does not implement ragged_all_to_all" in plan.report
-    with pytest.raises(moe_jax.ResolutionError, match="'ragged' cannot run .* XLA:CPU does not implement"):
-        resolve(dataclasses.replace(BASE, exchange="ragged"), mesh)
+    assert plan.exchange == "padded" and plan.exchange_emulation is None
+    assert "fewest bytes per token per layer" in plan.report
+    for exchange in ("ragged", "onecopy"):
+        plan = resolve(dataclasses.replace(BASE, exchange=exchange), mesh)
+        assert plan.exchange_emulation == "emulated on XLA:CPU: correct, not fast"
+        assert f"  exchange: {exchange} (emulated on XLA:CPU: correct, not fast)  (requested {exchange!r}" in plan.report
     with pytest.raises(moe_jax.ResolutionError, match="'none' cannot run"):
         resolve(dataclasses.replace(BASE, exchange="none"), mesh)
     with pytest.raises(moe_jax.ResolutionError, match="'padded' cannot run .* one device has no mesh"):
@@ -278,13 +242,19 @@ def test_auto_and_explicit_choices(cpu_devices):
     assert resolve(BASE, mesh_for(1, cpu_devices)).exchange == "none"
 
 
-@pytest.mark.parametrize("ep,tokens,expected", [(4, 16, "allgather"), (4, 4096, "allgather"), (8, 16, "allgather"),
-                                                (8, 4096, "ragged"), (8, None, "ragged"), (16, None, "ragged")])
-def test_auto_on_gpus_picks_by_size(ep, tokens, expected):
+# Kimi K2 (bytes per token per layer, moe_jax.traffic): at EP 4 onecopy 116 KB < allgather 129 KB
+# < ragged 172 KB; at EP 8 onecopy 199.0 KB < ragged 200.7 KB (its float32 partial sums cost what
+# its single copies save); at EP 16 ragged 215 KB < onecopy 262 KB. DeepSeek-V3's group limit puts
+# a token on at most 4 devices at EP 8: onecopy 137 KB < ragged 201 KB.
+@pytest.mark.parametrize("preset,ep,tokens,expected", [
+    ("kimi_k2", 4, 16, "allgather"), ("kimi_k2", 4, 4096, "onecopy"), ("kimi_k2", 8, 16, "allgather"),
+    ("kimi_k2", 8, 4096, "onecopy"), ("kimi_k2", 8, None, "onecopy"), ("kimi_k2", 16, None, "ragged"),
+    ("deepseek_v3", 8, None, "onecopy")])
+def test_auto_on_gpus_picks_by_bytes(preset, ep, tokens, expected):
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     mesh = jax.sharding.AbstractMesh((ep,), ("expert",), abstract_device=device)
-    plan = resolve(MoEConfig.kimi_k2(weight_format="nvfp4"), mesh, tokens_per_device=tokens)
-    assert plan.exchange == expected
+    plan = resolve(getattr(MoEConfig, preset)(weight_format="nvfp4"), mesh, tokens_per_device=tokens)
+    assert plan.exchange == expected and plan.exchange_emulation is None
     assert f"exchange: {expected}  (requested 'auto'; auto: " in plan.report
 
 

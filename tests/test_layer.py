@@ -169,7 +169,7 @@ def test_nnx_module_jit_and_grad(rng):
     y, stats = nnx.jit(lambda m, x: m(x))(layer, x)
     y_fn, _ = moe_forward(layer.params(), x, layer.plan)
     np.testing.assert_array_equal(y, y_fn)
-    assert set(stats) == {"tokens_per_expert", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens"}
+    assert set(stats) == {"tokens_per_expert", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens", "rows_sent"}
 
     def loss(m, x):
         y, stats = m(x)

@@ -35,6 +35,9 @@ def test_exchange_buffers():
     c = MoEConfig.kimi_k2()
     h2 = c.hidden_size * 2
     assert memory.exchange_buffer_bytes(c, "ragged", 4096, 8) == 2 * worst_case_received(4096, 8, 8, 48) * h2
+    # onecopy: ragged's expanded rows, plus the 8 * 4096 copies received and their float32 partial sums
+    assert memory.exchange_buffer_bytes(c, "onecopy", 4096, 8) == (2 * worst_case_received(4096, 8, 8, 48) * h2
+                                                                   + 8 * 4096 * (h2 + 4 * c.hidden_size))
     assert memory.exchange_buffer_bytes(c, "allgather", 64, 4) == 4 * 64 * c.hidden_size * (2 + 4)
     assert memory.exchange_buffer_bytes(c, "none", 10, 1) == 2 * 10 * 8 * h2
     with pytest.raises(ValueError, match=r"^exchange: 'x', expected one of"):

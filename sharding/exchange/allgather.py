@@ -14,11 +14,12 @@ from sharding.local import combine, dispatch
 def allgather_exchange(
     x_th, ids_tk, weights_tk, expert_fn: ExpertFn, *, num_experts: int, axis_name: str,
     capacity_factor: float | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Exchange by ``all_gather`` and ``psum_scatter`` (float32) (signature: :mod:`sharding.exchange`).
 
     Two collectives and no planning round trip: suits small (decode) batches. Moves
-    ``(D - 1) * T * H`` activations in and ``(D - 1) * T * H`` float32 partial sums out.
+    ``(D - 1) * T * H`` activations in and ``(D - 1) * T * H`` float32 partial sums out;
+    ``rows_sent``: its ``T`` rows to each of the ``D - 1`` others.
     """
     devices, e_l, me = expert_axis(num_experts, axis_name)
     t, k = ids_tk.shape
@@ -43,4 +44,5 @@ def allgather_exchange(
         return combine(y_mh, order_m, jnp.where(mine_tk, weights_all_tk, 0)), needed - received
 
     y_all_th, dropped = switch_on_size(needed, buckets, branch)
-    return jax.lax.psum_scatter(y_all_th, axis_name, scatter_dimension=0, tiled=True), dropped
+    rows_sent = jnp.int32((devices - 1) * t)
+    return jax.lax.psum_scatter(y_all_th, axis_name, scatter_dimension=0, tiled=True), dropped, rows_sent

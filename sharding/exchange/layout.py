@@ -116,6 +116,69 @@ def exchange_layout(counts_sde: jax.Array, device: jax.Array | int, capacity: in
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenLayout:
+    """One device's view of a token exchange (one copy of a token per destination device,
+    :mod:`sharding.exchange.onecopy`); all int32, one update per peer.
+
+    This device as sender, per destination ``d``: send_sizes_d ``[D]`` tokens sent;
+    input_offsets_d ``[D]`` where they start in its send buffer (destination-major, token
+    order within); output_offsets_d ``[D]`` where they land in ``d``'s receive buffer
+    (source-major, token order within). As receiver, per source ``s``: recv_sizes_s,
+    recv_offsets_s ``[D]`` (where they land here), return_offsets_s ``[D]`` (where they came
+    from in ``s``'s send buffer: where their partial sums go back to). received ``[]``: tokens
+    received here; max_received ``[]``: the most any device receives.
+    """
+
+    send_sizes_d: jax.Array
+    input_offsets_d: jax.Array
+    output_offsets_d: jax.Array
+    recv_sizes_s: jax.Array
+    recv_offsets_s: jax.Array
+    return_offsets_s: jax.Array
+    received: jax.Array
+    max_received: jax.Array
+
+
+def token_layout(tokens_sd: jax.Array, device: jax.Array | int) -> TokenLayout:
+    """Where every token copy goes, from every device's token counts.
+
+    Args:
+      tokens_sd: int ``[D, D]``: tokens device ``s`` sends to device ``d`` (the same array on
+        every device: an all-gather of each device's ``[D]`` counts).
+      device: this device's index along the expert axis (may be traced).
+    """
+    tokens_sd = tokens_sd.astype(jnp.int32)
+    at_sd = exclusive_cumsum(tokens_sd, axis=0)  # receiver d: source-major
+    start_sd = exclusive_cumsum(tokens_sd, axis=1)  # sender s: destination-major
+    received_d = jnp.sum(tokens_sd, axis=0)
+    return TokenLayout(
+        send_sizes_d=tokens_sd[device], input_offsets_d=start_sd[device], output_offsets_d=at_sd[device],
+        recv_sizes_s=tokens_sd[:, device], recv_offsets_s=at_sd[:, device], return_offsets_s=start_sd[:, device],
+        received=received_d[device], max_received=jnp.max(received_d),
+    )
+
+
+def kept_assignments(order_m: jax.Array, group_sizes_e: jax.Array, kept_e: jax.Array) -> jax.Array:
+    """Which of a sender's ``T * k`` (token, slot) assignments a capacity keeps: in its rows
+    sorted by expert (``order_m``, stable), the first ``kept_e[e]`` of expert ``e``'s
+    ``group_sizes_e[e]``, as :func:`exchange_layout`'s ``send_sizes_de`` counts them.
+
+    Returns bool ``[T * k]`` in assignment order (``t * k + slot``); assignments to no expert
+    (ids past the last expert, sorted last) are never kept.
+    """
+    m = order_m.shape[0]
+    ends_e = jnp.cumsum(group_sizes_e.astype(jnp.int32))
+    position_m = jnp.arange(m, dtype=jnp.int32)
+    e_m = jnp.searchsorted(ends_e, position_m, side="right").astype(jnp.int32)
+    in_group = e_m < group_sizes_e.shape[0]
+    e_m = jnp.minimum(e_m, group_sizes_e.shape[0] - 1)
+    rank_m = position_m - (ends_e[e_m] - group_sizes_e[e_m])
+    kept_sorted = in_group & (rank_m < kept_e.astype(jnp.int32)[e_m])
+    return jnp.zeros((m,), bool).at[order_m].set(kept_sorted)
+
+
 def split_updates(offsets_xe, sizes_xe, peer_offsets_xe, peer_sizes_xe, split: int):
     """The four ``jax.lax.ragged_all_to_all`` metadata arrays, one update per (peer, expert),
     each cut into ``split`` nearly equal consecutive slices.
@@ -182,6 +245,25 @@ def worst_case_received(tokens: int, top_k: int, devices: int, experts_per_devic
     past the buffer: the surplus is dropped and counted.
     """
     return devices * tokens * min(top_k, experts_per_device)
+
+
+def worst_case_tokens_sent(tokens: int, top_k: int, devices: int) -> int:
+    """The most token copies one device sends in a token exchange: ``T * min(k, D)``.
+
+    Proof: a token's ``k`` distinct experts live on at most ``min(k, D)`` devices, and it is
+    sent once to each.
+    """
+    return tokens * min(top_k, devices)
+
+
+def worst_case_tokens_received(tokens: int, devices: int) -> int:
+    """The most token copies one device receives in a token exchange: ``D * T``.
+
+    Proof: each of the ``D`` devices sends each of its ``T`` tokens at most once to it. A
+    token sent carries at least one kept assignment for it, so the copies received are also at
+    most the (token, expert) rows received there (:func:`worst_case_received`, or a capacity).
+    """
+    return devices * tokens
 
 
 #: Buffer sizes compiled besides the worst case, as multiples of the balanced load.

@@ -12,15 +12,15 @@ from sharding.local import combine, dispatch
 def local_exchange(
     x_th, ids_tk, weights_tk, expert_fn: ExpertFn, *, num_experts: int, axis_name: str | None,
     capacity_factor: float | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dispatch to this device's experts, run them, combine; ``axis_name`` is unused.
 
     With a capacity this device keeps its first ``ceil(capacity_factor * T * k)`` rows in
-    expert order.
+    expert order. No row crosses a device: ``rows_sent`` is 0.
     """
     del axis_name
     rows = ids_tk.size
     x_ch, group_sizes_e, order_m = dispatch(x_th, ids_tk, num_experts, capacity=capacity_rows(capacity_factor, rows))
     y_th = combine(expert_fn(x_ch, group_sizes_e), order_m, weights_tk)
     # Padding tokens (id num_experts) sort last: only real rows past the capacity count.
-    return y_th, (jnp.sum(ids_tk < num_experts) - jnp.sum(group_sizes_e)).astype(jnp.int32)
+    return y_th, (jnp.sum(ids_tk < num_experts) - jnp.sum(group_sizes_e)).astype(jnp.int32), jnp.int32(0)

@@ -15,13 +15,14 @@ from sharding.local import combine, sort_by_expert
 def padded_exchange(
     x_th, ids_tk, weights_tk, expert_fn: ExpertFn, *, num_experts: int, axis_name: str,
     capacity_factor: float | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Exchange with dense ``jax.lax.all_to_all`` of per-peer buffers ``[D, C, H]``
     (signature: :mod:`sharding.exchange`).
 
     ``C`` is a bucket of at most ``min(T * k, capacity)`` rows (a device has no more rows
     to send to one peer) chosen from the largest number any device sends to any peer, so
-    the bytes moved follow the load.
+    the bytes moved follow the load. ``rows_sent``: the ``(D - 1) * C`` buffer rows sent to
+    the others, padding included (the dense all_to_all moves them all).
     """
     devices, e_l, me = expert_axis(num_experts, axis_name)
     t, k = ids_tk.shape
@@ -53,7 +54,7 @@ def padded_exchange(
         slot_de = exclusive_cumsum(layout.send_sizes_de, axis=1) + peer_start_s[:, None]
         index_m, valid_m = segment_gather_index(counts_de.reshape(-1), layout.send_sizes_de.reshape(-1),
                                                 slot_de.reshape(-1), t * k)
-        return (jnp.where(valid_m[:, None], y_dch.reshape(-1, h)[index_m], 0),)
+        return jnp.where(valid_m[:, None], y_dch.reshape(-1, h)[index_m], 0), jnp.int32((devices - 1) * per_peer)
 
-    (y_mh_sorted,) = switch_on_size(layout.max_sent_per_peer, buckets, branch)
-    return combine(y_mh_sorted, order_m, weights_tk), layout.dropped
+    y_mh_sorted, rows_sent = switch_on_size(layout.max_sent_per_peer, buckets, branch)
+    return combine(y_mh_sorted, order_m, weights_tk), layout.dropped, rows_sent

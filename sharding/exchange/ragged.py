@@ -1,7 +1,8 @@
 """Exchange ``ragged``: ``jax.lax.ragged_all_to_all`` straight into an expert-major buffer.
 
 Each row crosses the expert axis exactly once each way. XLA:CPU does not implement the
-collective; GPUs and TPUs do.
+collective; GPUs and TPUs do. Where it is missing, resolution passes the twin of
+:mod:`sharding.exchange.emulated` as ``ragged_all_to_all`` (and says so in its report).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _receive_buffer(operand, rows: int):
 def ragged_exchange(
     x_th, ids_tk, weights_tk, expert_fn: ExpertFn, *, num_experts: int, axis_name: str,
     capacity_factor: float | None, min_updates_per_peer: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    ragged_all_to_all=jax.lax.ragged_all_to_all,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Exchange with ``jax.lax.ragged_all_to_all`` (signature: :mod:`sharding.exchange`).
 
     One ragged update per (peer, local expert), each cut into slices (see
@@ -64,6 +66,8 @@ def ragged_exchange(
     ``min_updates_per_peer`` updates per peer (None: :func:`default_min_updates_per_peer`).
     The receive buffer is a bucket of at most
     :func:`~sharding.exchange.layout.worst_case_received` rows (or the capacity).
+    ``ragged_all_to_all``: the collective, or its twin where the backend has none.
+    ``rows_sent``: the (token, expert) rows this device sends to other devices.
     """
     if min_updates_per_peer is None:
         min_updates_per_peer = default_min_updates_per_peer()
@@ -83,13 +87,14 @@ def ragged_exchange(
         layout = exchange_layout(counts_sde, me, capacity=rows)
         forward = split_updates(layout.input_offsets_de, layout.send_sizes_de, layout.output_offsets_de,
                                 layout.recv_sizes_se, split)
-        x_mh = jax.lax.ragged_all_to_all(x_mh_sorted, _receive_buffer(x_mh_sorted, rows), *forward, axis_name=axis_name)
+        x_mh = ragged_all_to_all(x_mh_sorted, _receive_buffer(x_mh_sorted, rows), *forward, axis_name=axis_name)
         y_mh = expert_fn(x_mh, layout.group_sizes_e)
         back = split_updates(layout.recv_offsets_se, layout.recv_sizes_se, layout.return_offsets_se,
                              layout.send_sizes_de, split)
         # Rows never returned (padding tokens, dropped rows) stay zero.
-        y_mh_sorted = jax.lax.ragged_all_to_all(y_mh, _receive_buffer(y_mh, t * k), *back, axis_name=axis_name)
-        return y_mh_sorted, layout.dropped
+        y_mh_sorted = ragged_all_to_all(y_mh, _receive_buffer(y_mh, t * k), *back, axis_name=axis_name)
+        rows_sent = jnp.sum(layout.send_sizes_de) - jnp.sum(layout.send_sizes_de[me])
+        return y_mh_sorted, layout.dropped, rows_sent.astype(jnp.int32)
 
-    y_mh_sorted, dropped = switch_on_size(needed, buckets, branch)
-    return combine(y_mh_sorted, order_m, weights_tk), dropped
+    y_mh_sorted, dropped, rows_sent = switch_on_size(needed, buckets, branch)
+    return combine(y_mh_sorted, order_m, weights_tk), dropped, rows_sent

@@ -11,9 +11,13 @@ from sharding.exchange.layout import (
     bucket_index,
     buffer_buckets,
     exchange_layout,
+    kept_assignments,
     segment_gather_index,
     split_updates,
+    token_layout,
     worst_case_received,
+    worst_case_tokens_received,
+    worst_case_tokens_sent,
 )
 
 
@@ -184,3 +188,48 @@ def test_the_ragged_slicing_default_follows_the_mesh_platform():
             jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))).trace(
                 jax.ShapeDtypeStruct((4,), jnp.float32))
     assert seen == {"cuda": RAGGED_MIN_UPDATES_PER_PEER, "cpu": 1}  # this process's backend is cpu
+
+
+@pytest.mark.parametrize("devices", [1, 2, 5])
+def test_token_layout_round_trip(rng, devices):
+    """Token copies reach their receivers source-major and come back where they started."""
+    tokens_sd = rng.integers(0, 6, size=(devices, devices)) * (rng.random((devices, devices)) > 0.3)
+    layouts = [token_layout(jnp.asarray(tokens_sd), me) for me in range(devices)]
+    rows = int(tokens_sd.sum(axis=1).max())
+    buffer = int(tokens_sd.sum(axis=0).max())
+    sent = [np.array([s * 1000 + d * 100 + j for d in range(devices) for j in range(tokens_sd[s, d])]
+                     + [-1] * (rows - tokens_sd[s].sum()), np.int64) for s in range(devices)]
+    forward = [split_updates(*(a[:, None] for a in (p.input_offsets_d, p.send_sizes_d, p.output_offsets_d,
+                                                    p.recv_sizes_s)), 1) for p in layouts]
+    received = numpy_ragged_all_to_all(sent, [np.full(buffer, -2, np.int64)] * devices,
+                                       *[[np.asarray(f[i]) for f in forward] for i in range(4)])
+    for r in range(devices):
+        expected = [s * 1000 + r * 100 + j for s in range(devices) for j in range(tokens_sd[s, r])]
+        np.testing.assert_array_equal(received[r][:len(expected)], expected)
+        assert int(layouts[r].received) == len(expected)
+        assert int(layouts[r].max_received) == tokens_sd.sum(axis=0).max()
+    back = [split_updates(*(a[:, None] for a in (p.recv_offsets_s, p.recv_sizes_s, p.return_offsets_s,
+                                                 p.send_sizes_d)), 1) for p in layouts]
+    returned = numpy_ragged_all_to_all(received, [np.full(rows, -3, np.int64)] * devices,
+                                       *[[np.asarray(b[i]) for b in back] for i in range(4)])
+    for s in range(devices):
+        np.testing.assert_array_equal(returned[s][:tokens_sd[s].sum()], sent[s][:tokens_sd[s].sum()])
+
+
+def test_kept_assignments_keep_each_experts_first_rows():
+    ids_tk = np.array([[0, 2], [2, 3], [0, 4], [2, 0], [4, 4]])  # 4: no expert (padding)
+    ids_tk[4] = 4
+    flat = ids_tk.reshape(-1)
+    order_m = np.argsort(flat, kind="stable")
+    group_sizes_e = np.bincount(flat, minlength=5)[:4]
+    kept_e = np.array([2, 0, 1, 5])  # expert 0 keeps 2 of 3, expert 2 one of 3, expert 3 all
+    kept = np.asarray(kept_assignments(jnp.asarray(order_m), jnp.asarray(group_sizes_e), jnp.asarray(kept_e)))
+    np.testing.assert_array_equal(kept.reshape(5, 2), [[True, True], [False, True], [True, False], [False, False],
+                                                       [False, False]])
+
+
+def test_token_bounds_are_reached():
+    """Every token with k experts on k different devices, all of them on device 0's peers."""
+    assert worst_case_tokens_sent(tokens=5, top_k=8, devices=4) == 5 * 4
+    assert worst_case_tokens_sent(tokens=5, top_k=2, devices=4) == 5 * 2
+    assert worst_case_tokens_received(tokens=5, devices=4) == 20

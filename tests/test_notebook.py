@@ -2,9 +2,12 @@
 
 import pathlib
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+# The test extra installs both (CI runs this); the GPU image has neither, and the GPU check collects
+# every file (a collection error there failed the check at 79698bd).
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "examples" / "kimi_layer.ipynb"
 

@@ -26,7 +26,11 @@ import tempfile
 _NO_GPU = not os.path.exists("/dev/nvidiactl")
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-     *(["--xla_backend_optimization_level=0"] if _NO_GPU else [])]
+     *(["--xla_backend_optimization_level=0"] if _NO_GPU else []),
+     # XLA:CPU ends the process when a device thread reaches a collective too late (40 s by
+     # default): 8 virtual devices on 2 busy cores did, in the expert-parallel gradient tests.
+     *(["--xla_cpu_collective_call_terminate_timeout_seconds=1200",
+        "--xla_cpu_collective_timeout_seconds=1200"] if _NO_GPU else [])]
 ).strip()
 _OWN_CACHE_DIR = None
 # Likewise the cache: the GPU check runs each program once, and its Triton kernels need not

@@ -293,9 +293,9 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
             w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
             FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
-            NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-            EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+            NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr,
+            OUT_K_ORDER: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
     the module docstring).
 
@@ -319,16 +319,16 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
-                      OUT_K_ORDER)
+                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0, BLOCK_N,
+                      BLOCK_K, NUM_STAGES, OUT_K_ORDER)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
-                           NUM_STAGES, OUT_K_ORDER)
+                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M,
+                           BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K,
-                       NUM_STAGES, OUT_K_ORDER)
+                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N,
+                       BLOCK_K, NUM_STAGES, OUT_K_ORDER)
 
 
 @triton.jit
@@ -341,13 +341,16 @@ def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                  OUT_K_ORDER)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+                  OUT_K_ORDER)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
+              OUT_K_ORDER)
 
 
 @triton.jit
@@ -1007,6 +1010,7 @@ BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward
                        input_grad=PALLAS.input_grad, weight_grad=PALLAS.weight_grad)
 
 
-__all__ = ["BF16_BACKEND", "BF16_TILES", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec",
-           "InputGradSpec", "W4A16_BACKEND", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
-           "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "run"]
+__all__ = ["BF16_BACKEND", "BF16_TILES", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES",
+           "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "InputGradSpec", "W4A16_BACKEND", "bf16_matmul", "input_grad",
+           "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile",
+           "run"]

@@ -133,8 +133,8 @@ def tile_rows(num_rows: int, num_experts: int, platform: str) -> int:
 def overflow_tiles(num_rows: int, c: int) -> int:
     """A static bound on the tiles past each expert's first ``c`` rows: ``sum_e ceil(max(g_e - c,
     0) / c) < sum_e g_e / c <= M / c`` (for an expert with more than ``c`` rows,
-    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c``."""
-    return (num_rows - 1) // c
+    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c`` (none for no rows)."""
+    return max(num_rows - 1, 0) // c
 
 
 def _slots(group_sizes_e, num_rows: int, c: int):

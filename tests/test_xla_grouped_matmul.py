@@ -129,3 +129,9 @@ def test_the_slots_hold_every_row_once_inside_the_static_bound(rng):
             np.testing.assert_array_equal(rows[in_first] // c, expert_m[in_first])
             np.testing.assert_array_equal(tile_expert_t[(rows[~in_first] - first) // c], expert_m[~in_first])
             assert (slot_m[valid:] == end).all()
+
+
+def test_no_rows():
+    y_mn = grouped_matmul(jnp.zeros((0, K), jnp.bfloat16), jnp.ones((4, N, K), jnp.bfloat16),
+                          jnp.zeros((4,), jnp.int32), platform="cpu")
+    assert y_mn.shape == (0, N) and y_mn.dtype == jnp.float32

@@ -18,10 +18,10 @@ import pytest
 
 import moe_jax
 import moe_jax.expert_gemm as expert_gemm
-from harness import random_params
 from moe_jax.expert_gemm import grouped_matmul, overflow_tiles, tile_rows
 
 M, K, N = 512, 64, 32
+_SLOTS = jax.jit(expert_gemm._slots, static_argnums=(1, 2))  # one program per shape, not one per op
 
 
 def _flops(fn, *shapes) -> float:
@@ -57,11 +57,14 @@ def test_the_xla_stage_calls_no_ragged_dot(rng):
     config = moe_jax.MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_intermediate_size=32,
                                weight_format="nvfp4", expert_gemm="xla")
     plan = moe_jax.resolve(config, None)
-    params = random_params(config, rng)
-    x_mh = jnp.zeros((40, config.hidden_size), jnp.bfloat16)
-    group_sizes_e = jnp.full((config.num_experts,), 5, jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda x, g, w: moe_jax.EXPERT_GEMM["xla"].run(x, g, w, plan))(
-        x_mh, group_sizes_e, params["experts"])
+    e, h, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    # Shapes are all a trace needs.
+    weights = {"w_gate_up_egh": jax.eval_shape(lambda: moe_jax.nvfp4.random(key, (e, 2 * f, h))),
+               "w_down_ehf": jax.eval_shape(lambda: moe_jax.nvfp4.random(key, (e, h, f)))}
+    x_mh = jax.ShapeDtypeStruct((40, h), jnp.bfloat16)
+    group_sizes_e = jax.ShapeDtypeStruct((e,), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda x, g, w: moe_jax.EXPERT_GEMM["xla"].run(x, g, w, plan))(x_mh, group_sizes_e, weights)
     assert "ragged_dot" not in str(jaxpr)
 
 
@@ -120,7 +123,7 @@ def test_the_slots_hold_every_row_once_inside_the_static_bound(rng):
         c = tile_rows(num_rows, num_experts, "cpu")
         first, end = num_experts * c, (num_experts + overflow_tiles(num_rows, c)) * c
         for sizes in [*_routings(rng, num_experts, num_rows).values(), np.full(num_experts, num_rows // num_experts)]:
-            slot_m, tile_expert_t = map(np.asarray, expert_gemm._slots(jnp.asarray(sizes, jnp.int32), num_rows, c))
+            slot_m, tile_expert_t = map(np.asarray, _SLOTS(jnp.asarray(sizes, jnp.int32), num_rows, c))
             valid = int(sizes.sum())
             expert_m = np.repeat(np.arange(num_experts), sizes)
             rows = slot_m[:valid]

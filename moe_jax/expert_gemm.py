@@ -31,7 +31,7 @@ import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.registry import Implementation, Registry, Target
 from pallas_kernels.grouped_matmul.expert_mlp import swiglu
-from pallas_kernels.grouped_matmul.pallas_triton import group_bounds
+from pallas_kernels.grouped_matmul.pallas_triton import group_bounds, tile_schedule
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
@@ -93,8 +93,6 @@ def _nvfp4_rows(a_mk, input_scale_e, group_sizes_e) -> tuple[jax.Array, jax.Arra
 #   bytes (:data:`GATHER_BUDGET_BYTES`). A tile holds rows of one expert; there are fewer than
 #   ``M / c`` tiles whatever the routing (:func:`overflow_tiles`).
 #
-# The rows reach that layout by one scatter and leave it by one gather (:func:`_slots`).
-#
 # Work: ``2 K N (E c + M)`` at most, so O(rows) plus ``E c`` rows of padding; weight copies:
 # fewer than ``M / c`` matrices. Every output row is one dot of its row with its expert's
 # weight over K, with float32 accumulation, as ``ragged_dot`` computes it.
@@ -133,44 +131,25 @@ def tile_rows(num_rows: int, num_experts: int, platform: str) -> int:
 def overflow_tiles(num_rows: int, c: int) -> int:
     """A static bound on the tiles past each expert's first ``c`` rows: ``sum_e ceil(max(g_e - c,
     0) / c) < sum_e g_e / c <= M / c`` (for an expert with more than ``c`` rows,
-    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c`` (none for no rows)."""
-    return max(num_rows - 1, 0) // c
+    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c``."""
+    return (num_rows - 1) // c
 
 
-def _slots(group_sizes_e, num_rows: int, c: int):
-    """Where each row goes in the padded layout, and which expert each overflow tile is of.
+def _gather_rows(a_mk, rows_r, ends_r) -> jax.Array:
+    """``a_mk`` at the row indices ``rows_r [..., c]``, zero where a row is at or past its end
+    ``ends_r`` (another expert's row, or padding: never read, so a non-finite value there cannot
+    reach this expert's output or gradient)."""
+    gathered = jnp.take(a_mk, rows_r, axis=0, mode="clip")
+    return jnp.where((rows_r < ends_r)[..., None], gathered, jnp.zeros((), a_mk.dtype))
 
-    The layout has ``E c + T c`` slots (``T = overflow_tiles(M, c)``): slots ``e c + i`` hold
-    expert ``e``'s row ``i < c``; then, tile by tile, its rows past the first ``c`` (expert
-    ``e``'s tiles after those of the experts before it). Returns ``(slot_m, tile_expert_t)``,
-    int32 ``[M]`` and ``[T]``: rows past ``sum(group_sizes_e)`` (padding) get the slot
-    ``E c + T c``, one past the end; unused tiles get expert ``E - 1`` (their rows are zeros).
 
-    Built from compares and cumulative sums over the experts, not from the kernels'
-    ``tile_schedule``, whose unrolled search alone took half of this module's first version's
-    XLA:CPU compile time (benchmarks/NOTES.md, "The xla path").
-    """
-    num_experts = group_sizes_e.shape[0]
-    num_tiles = overflow_tiles(num_rows, c)
-    log2_c = c.bit_length() - 1  # c is a power of two: shifts, not signed divisions
-    starts_e, ends_e = group_bounds(group_sizes_e, num_rows=num_rows)
-
-    def owner(ends_g, size: int):
-        """For each index below ``size``: how many of the (sorted) ``ends_g`` are at or before it,
-        by comparing with all of them: ``size x E`` integer compares in one fused reduction, far
-        below the router's ``T x E x H`` and cheaper to compile than a search or a cumulative sum
-        of ``size`` elements (a scatter and a cumulative sum took 3x this one fusion's compile)."""
-        count = jnp.sum(ends_g[None, :] <= jnp.arange(size, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-        return jnp.minimum(count, num_experts - 1)
-
-    expert_m = owner(ends_e, num_rows)
-    offset_m = jnp.arange(num_rows, dtype=jnp.int32) - starts_e[expert_m]
-    tiles_e = (jnp.maximum(ends_e - starts_e - c, 0) + c - 1) >> log2_c
-    tile_ends_e = jnp.cumsum(tiles_e)
-    over_slot_m = num_experts * c + ((tile_ends_e - tiles_e)[expert_m] << log2_c) + offset_m - c
-    slot_m = jnp.where(offset_m < c, (expert_m << log2_c) + offset_m, over_slot_m)
-    slot_m = jnp.where(jnp.arange(num_rows) < ends_e[-1], slot_m, (num_experts + num_tiles) * c)
-    return slot_m, owner(tile_ends_e, num_tiles)
+def _first_rows(a_mk, w_enk, starts_e, ends_e, c: int, precision) -> jax.Array:
+    """float32 ``[E * c, N]``: each expert's first ``c`` rows times its weight, slot ``e c + i``
+    for row ``starts_e[e] + i``."""
+    rows_ec = starts_e[:, None] + jnp.arange(c, dtype=jnp.int32)
+    x_eck = _gather_rows(a_mk, rows_ec, ends_e[:, None])
+    y_ecn = jnp.einsum("eck,enk->ecn", x_eck, w_enk, precision=precision, preferred_element_type=jnp.float32)
+    return y_ecn.reshape(-1, y_ecn.shape[-1])
 
 
 def _steps(num_tiles: int, tiles_per_step: int) -> tuple[int, int]:
@@ -180,26 +159,32 @@ def _steps(num_tiles: int, tiles_per_step: int) -> tuple[int, int]:
     return steps, -(-num_tiles // steps)
 
 
-def _overflow_tiles_matmul(x_tck, w_enk, tile_expert_t, precision, platform: str) -> jax.Array:
-    """float32 ``[T, c, N]``: tile ``t``'s rows times its expert's weight, gathered per tile, in
-    scan steps of at most :data:`GATHER_BUDGET_BYTES` of gathered weights."""
-    num_tiles, c, k = x_tck.shape
-    per_matrix = w_enk.shape[1] * w_enk.shape[2] * jnp.dtype(w_enk.dtype).itemsize
-    steps, per_step = _steps(num_tiles, GATHER_BUDGET_BYTES[_tuning_key(platform)] // per_matrix)
+def _rest_rows(a_mk, w_enk, starts_e, ends_e, c: int, precision, platform: str) -> jax.Array:
+    """float32 ``[T * c, N]`` (``T`` the static tile bound, rounded up to whole scan steps):
+    the rows past each expert's first ``c``, in tiles of ``c``, in the order of
+    :func:`tile_schedule` over the overflow counts ``max(g_e - c, 0)``."""
+    m = a_mk.shape[0]
+    over_e = jnp.maximum(ends_e - starts_e - c, 0)
+    itemsize = jnp.dtype(w_enk.dtype).itemsize
+    steps, per_step = _steps(overflow_tiles(m, c), GATHER_BUDGET_BYTES[_tuning_key(platform)]
+                             // (w_enk.shape[1] * w_enk.shape[2] * itemsize))
+    # Offsets in the overflow rows only: tile t covers overflow rows [start_t, start_t + c).
+    expert_t, over_start_t, _ = tile_schedule(over_e, num_rows=m, block_m=c, num_tiles=steps * per_step)
+    first_over_e = jnp.cumsum(over_e) - over_e
+    row_start_t = starts_e[expert_t] + c + (over_start_t - first_over_e[expert_t])
 
-    def step(x_sck, expert_s):
-        return jnp.einsum("sck,snk->scn", x_sck, w_enk[expert_s], precision=precision,
-                          preferred_element_type=jnp.float32)
+    def tile(expert, row_start):
+        x_ck = _gather_rows(a_mk, row_start + jnp.arange(c, dtype=jnp.int32), ends_e[expert])
+        return jnp.einsum("ck,nk->cn", x_ck, w_enk[expert], precision=precision, preferred_element_type=jnp.float32)
 
     if steps == 1:
-        return step(x_tck, tile_expert_t)
-    padded = steps * per_step
-    x_tck = jnp.pad(x_tck, ((0, padded - num_tiles), (0, 0), (0, 0)))
-    tile_expert_t = jnp.pad(tile_expert_t, (0, padded - num_tiles))
-    # Rematerialized: autodiff would otherwise keep every step's gathered weights.
-    _, y_sscn = jax.lax.scan(lambda carry, xs: (carry, jax.checkpoint(step)(*xs)), (),
-                             (x_tck.reshape(steps, per_step, c, k), tile_expert_t.reshape(steps, per_step)))
-    return y_sscn.reshape(padded, c, -1)[:num_tiles]
+        y_tcn = jax.vmap(tile)(expert_t, row_start_t)
+    else:
+        # Rematerialized: autodiff would otherwise keep every step's gathered weights.
+        step = jax.checkpoint(jax.vmap(tile))
+        _, y_tcn = jax.lax.scan(lambda carry, tiles: (carry, step(*tiles)), (),
+                                (expert_t.reshape(steps, per_step), row_start_t.reshape(steps, per_step)))
+    return y_tcn.reshape(-1, y_tcn.shape[-1])
 
 
 def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None) -> jax.Array:
@@ -208,10 +193,6 @@ def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None)
     :data:`TILE_ROWS_TUNING`). Rows past ``sum(group_sizes_e)`` give zeros, as
     ``jax.lax.ragged_dot`` does.
 
-    The rows are scattered into the padded layout of :func:`_slots` (slots no row fills stay
-    zero, so nothing but an expert's own rows reaches its products or gradients), multiplied
-    there, and gathered back.
-
     Args:
       a_mk: ``[M, K]`` rows sorted by expert.
       w_enk: ``[E, N, K]``, the same dtype as ``a_mk``.
@@ -219,20 +200,25 @@ def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None)
       platform: ``Target.platform``, which picks the tile size and the scan steps.
       precision: as for ``jnp.einsum``.
     """
-    (m, k), num_experts = a_mk.shape, w_enk.shape[0]
+    m = a_mk.shape[0]
+    num_experts = w_enk.shape[0]
     c = tile_rows(m, num_experts, platform)
-    num_tiles = overflow_tiles(m, c)
-    slot_m, tile_expert_t = _slots(group_sizes_e, m, c)
-    x_sk = jnp.zeros(((num_experts + num_tiles) * c, k), a_mk.dtype).at[slot_m].set(
-        a_mk, mode="drop", unique_indices=True)
-    y_ecn = jnp.einsum("eck,enk->ecn", x_sk[:num_experts * c].reshape(num_experts, c, k), w_enk,
-                       precision=precision, preferred_element_type=jnp.float32)
-    y_sn = y_ecn.reshape(num_experts * c, -1)
-    if num_tiles:
-        y_tcn = _overflow_tiles_matmul(x_sk[num_experts * c:].reshape(num_tiles, c, k), w_enk, tile_expert_t,
-                                       precision, platform)
-        y_sn = jnp.concatenate([y_sn, y_tcn.reshape(num_tiles * c, -1)])
-    return jnp.take(y_sn, slot_m, axis=0, mode="fill", fill_value=0)
+    log2_c = c.bit_length() - 1  # c is a power of two: shifts, not signed divisions (fewer ops)
+    starts_e, ends_e = group_bounds(group_sizes_e, num_rows=m)
+    row_m = jnp.arange(m, dtype=jnp.int32)
+    # Each row's expert: how many experts end at or before it (a search, in three ops).
+    expert_m = jnp.cumsum(jnp.zeros((m,), jnp.int32).at[ends_e].add(1, mode="drop"))
+    expert_m = jnp.minimum(expert_m, num_experts - 1)
+    offset_m = row_m - starts_e[expert_m]
+    first_mn = _first_rows(a_mk, w_enk, starts_e, ends_e, c, precision)
+    y_mn = jnp.take(first_mn, (expert_m << log2_c) + jnp.minimum(offset_m, c - 1), axis=0, mode="clip")
+    if overflow_tiles(m, c):
+        tiles_e = (jnp.maximum(ends_e - starts_e - c, 0) + c - 1) >> log2_c
+        slot_m = ((jnp.cumsum(tiles_e) - tiles_e)[expert_m] << log2_c) + jnp.maximum(offset_m - c, 0)
+        rest_mn = jnp.take(_rest_rows(a_mk, w_enk, starts_e, ends_e, c, precision, platform), slot_m, axis=0,
+                           mode="clip")
+        y_mn = jnp.where((offset_m >= c)[:, None], rest_mn, y_mn)
+    return jnp.where((row_m < ends_e[-1])[:, None], y_mn, 0.0)
 
 
 # One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer

@@ -18,10 +18,11 @@ import pytest
 
 import moe_jax
 import moe_jax.expert_gemm as expert_gemm
+from harness import random_params
 from moe_jax.expert_gemm import grouped_matmul, overflow_tiles, tile_rows
+from pallas_kernels.grouped_matmul.pallas_triton import tile_schedule
 
 M, K, N = 512, 64, 32
-_SLOTS = jax.jit(expert_gemm._slots, static_argnums=(1, 2))  # one program per shape, not one per op
 
 
 def _flops(fn, *shapes) -> float:
@@ -57,14 +58,11 @@ def test_the_xla_stage_calls_no_ragged_dot(rng):
     config = moe_jax.MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_intermediate_size=32,
                                weight_format="nvfp4", expert_gemm="xla")
     plan = moe_jax.resolve(config, None)
-    e, h, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    # Shapes are all a trace needs.
-    weights = {"w_gate_up_egh": jax.eval_shape(lambda: moe_jax.nvfp4.random(key, (e, 2 * f, h))),
-               "w_down_ehf": jax.eval_shape(lambda: moe_jax.nvfp4.random(key, (e, h, f)))}
-    x_mh = jax.ShapeDtypeStruct((40, h), jnp.bfloat16)
-    group_sizes_e = jax.ShapeDtypeStruct((e,), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda x, g, w: moe_jax.EXPERT_GEMM["xla"].run(x, g, w, plan))(x_mh, group_sizes_e, weights)
+    params = random_params(config, rng)
+    x_mh = jnp.zeros((40, config.hidden_size), jnp.bfloat16)
+    group_sizes_e = jnp.full((config.num_experts,), 5, jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda x, g, w: moe_jax.EXPERT_GEMM["xla"].run(x, g, w, plan))(
+        x_mh, group_sizes_e, params["experts"])
     assert "ragged_dot" not in str(jaxpr)
 
 
@@ -115,26 +113,18 @@ def test_matches_a_float64_grouped_matmul_with_its_gradients(rng, monkeypatch, p
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4, err_msg=f"{name}: {label}")
 
 
-def test_the_slots_hold_every_row_once_inside_the_static_bound(rng):
-    """For any routing, the padded layout (``_slots``) puts each row in its own slot, inside the
-    ``E c + T c`` slots of the static tile bound, in a slot of its own expert (a first-rows slot
-    ``e c + i``, or an overflow tile of expert ``e``), and padding rows one past the end."""
+def test_overflow_tiles_bounds_every_routing(rng):
+    """The static tile bound holds for any group sizes: no tile past each expert's first ``c``
+    rows is ever dropped (the tile schedule marks slots past its bound unused)."""
     for num_experts, num_rows in ((4, 300), (64, 512), (384, 2048), (3, 1)):
         c = tile_rows(num_rows, num_experts, "cpu")
-        first, end = num_experts * c, (num_experts + overflow_tiles(num_rows, c)) * c
-        for sizes in [*_routings(rng, num_experts, num_rows).values(), np.full(num_experts, num_rows // num_experts)]:
-            slot_m, tile_expert_t = map(np.asarray, _SLOTS(jnp.asarray(sizes, jnp.int32), num_rows, c))
-            valid = int(sizes.sum())
-            expert_m = np.repeat(np.arange(num_experts), sizes)
-            rows = slot_m[:valid]
-            assert len(set(rows.tolist())) == valid and rows.max(initial=0) < end, (num_experts, num_rows, sizes)
-            in_first = rows < first
-            np.testing.assert_array_equal(rows[in_first] // c, expert_m[in_first])
-            np.testing.assert_array_equal(tile_expert_t[(rows[~in_first] - first) // c], expert_m[~in_first])
-            assert (slot_m[valid:] == end).all()
-
-
-def test_no_rows():
-    y_mn = grouped_matmul(jnp.zeros((0, K), jnp.bfloat16), jnp.ones((4, N, K), jnp.bfloat16),
-                          jnp.zeros((4,), jnp.int32), platform="cpu")
-    assert y_mn.shape == (0, N) and y_mn.dtype == jnp.float32
+        routings = [*_routings(rng, num_experts, num_rows).values(),
+                    np.full(num_experts, num_rows // num_experts)]
+        for sizes in routings:
+            needed = int(np.sum(-(-np.maximum(sizes - c, 0) // c)))
+            assert needed <= overflow_tiles(num_rows, c), (num_experts, num_rows, sizes)
+            if needed:
+                expert_t, _, end_t = tile_schedule(jnp.asarray(np.maximum(sizes - c, 0), jnp.int32),
+                                                   num_rows=num_rows, block_m=c,
+                                                   num_tiles=overflow_tiles(num_rows, c))
+                assert int(jnp.count_nonzero(end_t)) == needed

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 from typing import TYPE_CHECKING, assert_never
 
 import jax
@@ -31,11 +30,16 @@ import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.registry import Implementation, Registry, Target
 from pallas_kernels.grouped_matmul.expert_mlp import swiglu
-from pallas_kernels.grouped_matmul.pallas_triton import group_bounds, tile_schedule
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
     from moe_jax.plan import Plan
+
+# Contract x's dim 1 with w's dim 2: weights stay (out, in), as checkpoints store them.
+_ROWS_TIMES_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
 
 def dense_weight(w, dtype) -> jax.Array:
     """A bf16 array as is, or an NVFP4 tensor dequantized exactly (fp32), cast to ``dtype``."""
@@ -80,152 +84,8 @@ def _nvfp4_rows(a_mk, input_scale_e, group_sizes_e) -> tuple[jax.Array, jax.Arra
     return nvfp4.quantize_rows(a_mk, global_m)
 
 
-# --- The reference's grouped matmul: work O(rows), not O(rows x experts) -------------------
-#
-# ``jax.lax.ragged_dot`` computes every row against every expert and masks wherever XLA has no
-# native ragged dot (XLA:CPU; XLA:GPU as measured on an H200). Here the rows of expert ``e``
-# (sorted, contiguous) go two ways, in tiles of ``c`` rows (:func:`tile_rows`):
-#
-# * its first ``c`` rows: one batched matmul over all experts, ``[E, c, K] x [E, N, K]``, which
-#   reads the weights as they are (no copy);
-# * the rest (experts with more than ``c`` rows): tiles of ``c`` rows, each with its expert's
-#   weight gathered, ``[T, c, K] x [T, N, K]``, in scan steps of at most a budget of gathered
-#   bytes (:data:`GATHER_BUDGET_BYTES`). A tile holds rows of one expert; there are fewer than
-#   ``M / c`` tiles whatever the routing (:func:`overflow_tiles`).
-#
-# Work: ``2 K N (E c + M)`` at most, so O(rows) plus ``E c`` rows of padding; weight copies:
-# fewer than ``M / c`` matrices. Every output row is one dot of its row with its expert's
-# weight over K, with float32 accumulation, as ``ragged_dot`` computes it.
-
-#: Per platform, ``(R, fewest, most)`` for :func:`tile_rows`. ``R``: how many rows of matmul one
-#: tile's weight copy (written, then read again) costs. CPU: measured on a 2-core EPYC
-#: (benchmarks/NOTES.md, "The xla path"): tiles of 16-64 rows all within 10% at the demo's shape,
-#: 16 best with few rows per expert. Accelerators: estimated, not measured: on an H200 (about
-#: 500 TFLOP/s bf16, 4.3 TB/s) copying one bf16 ``[N, K]`` matrix twice over costs what about
-#: 230 rows of its matmul do, and a batched matmul of fewer than ~128 rows per expert is bound by
-#: reading the weights, so small tiles save nothing there.
-TILE_ROWS_TUNING = {"cpu": (32, 8, 1024), "accelerator": (256, 64, 1024)}
-
-#: Per platform, the most bytes of gathered expert weights one scan step of the overflow tiles
-#: holds (the rest of a step's memory is rows: ``c`` rows per tile). CPU: 8 MiB (steps of 4-8
-#: one-MiB tiles were fastest at the demo's shape, one step of 64 tiles 15% slower). Accelerators:
-#: 1 GiB, which bounds the copies whatever the size (Kimi K2's gate/up matrix is 59 MB in bf16).
-GATHER_BUDGET_BYTES = {"cpu": 8 << 20, "accelerator": 1 << 30}
-
-
-def _tuning_key(platform: str) -> str:
-    return "cpu" if platform == "cpu" else "accelerator"
-
-
-def tile_rows(num_rows: int, num_experts: int, platform: str) -> int:
-    """``c``, the rows per tile: the power of two nearest ``sqrt(R M / E)`` (the ``c`` that makes
-    the padding of the first rows, ``E c``, and the weight copies of the rest, ``R M / c`` rows of
-    work, equal), clamped to :data:`TILE_ROWS_TUNING`'s bounds and to ``M`` rounded up to a power
-    of two (no expert has more rows than ``M``)."""
-    r, fewest, most = TILE_ROWS_TUNING[_tuning_key(platform)]
-    best = math.sqrt(r * num_rows / num_experts)
-    c = 2 ** round(math.log2(best)) if best >= 1 else 1
-    return min(max(fewest, min(c, most)), 1 << max(num_rows - 1, 0).bit_length())
-
-
-def overflow_tiles(num_rows: int, c: int) -> int:
-    """A static bound on the tiles past each expert's first ``c`` rows: ``sum_e ceil(max(g_e - c,
-    0) / c) < sum_e g_e / c <= M / c`` (for an expert with more than ``c`` rows,
-    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c``."""
-    return (num_rows - 1) // c
-
-
-def _gather_rows(a_mk, rows_r, ends_r) -> jax.Array:
-    """``a_mk`` at the row indices ``rows_r [..., c]``, zero where a row is at or past its end
-    ``ends_r`` (another expert's row, or padding: never read, so a non-finite value there cannot
-    reach this expert's output or gradient)."""
-    gathered = jnp.take(a_mk, rows_r, axis=0, mode="clip")
-    return jnp.where((rows_r < ends_r)[..., None], gathered, jnp.zeros((), a_mk.dtype))
-
-
-def _first_rows(a_mk, w_enk, starts_e, ends_e, c: int, precision) -> jax.Array:
-    """float32 ``[E * c, N]``: each expert's first ``c`` rows times its weight, slot ``e c + i``
-    for row ``starts_e[e] + i``."""
-    rows_ec = starts_e[:, None] + jnp.arange(c, dtype=jnp.int32)
-    x_eck = _gather_rows(a_mk, rows_ec, ends_e[:, None])
-    y_ecn = jnp.einsum("eck,enk->ecn", x_eck, w_enk, precision=precision, preferred_element_type=jnp.float32)
-    return y_ecn.reshape(-1, y_ecn.shape[-1])
-
-
-def _steps(num_tiles: int, tiles_per_step: int) -> tuple[int, int]:
-    """``(steps, tiles per step)`` covering ``num_tiles`` with at most ``tiles_per_step`` a step,
-    the steps as even as can be (fewer than ``steps`` unused slots)."""
-    steps = -(-num_tiles // max(1, min(tiles_per_step, num_tiles)))
-    return steps, -(-num_tiles // steps)
-
-
-def _rest_rows(a_mk, w_enk, starts_e, ends_e, c: int, precision, platform: str) -> jax.Array:
-    """float32 ``[T * c, N]`` (``T`` the static tile bound, rounded up to whole scan steps):
-    the rows past each expert's first ``c``, in tiles of ``c``, in the order of
-    :func:`tile_schedule` over the overflow counts ``max(g_e - c, 0)``."""
-    m = a_mk.shape[0]
-    over_e = jnp.maximum(ends_e - starts_e - c, 0)
-    itemsize = jnp.dtype(w_enk.dtype).itemsize
-    steps, per_step = _steps(overflow_tiles(m, c), GATHER_BUDGET_BYTES[_tuning_key(platform)]
-                             // (w_enk.shape[1] * w_enk.shape[2] * itemsize))
-    # Offsets in the overflow rows only: tile t covers overflow rows [start_t, start_t + c).
-    expert_t, over_start_t, _ = tile_schedule(over_e, num_rows=m, block_m=c, num_tiles=steps * per_step)
-    first_over_e = jnp.cumsum(over_e) - over_e
-    row_start_t = starts_e[expert_t] + c + (over_start_t - first_over_e[expert_t])
-
-    def tile(expert, row_start):
-        x_ck = _gather_rows(a_mk, row_start + jnp.arange(c, dtype=jnp.int32), ends_e[expert])
-        return jnp.einsum("ck,nk->cn", x_ck, w_enk[expert], precision=precision, preferred_element_type=jnp.float32)
-
-    if steps == 1:
-        y_tcn = jax.vmap(tile)(expert_t, row_start_t)
-    else:
-        # Rematerialized: autodiff would otherwise keep every step's gathered weights.
-        step = jax.checkpoint(jax.vmap(tile))
-        _, y_tcn = jax.lax.scan(lambda carry, tiles: (carry, step(*tiles)), (),
-                                (expert_t.reshape(steps, per_step), row_start_t.reshape(steps, per_step)))
-    return y_tcn.reshape(-1, y_tcn.shape[-1])
-
-
-def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None) -> jax.Array:
-    """float32 ``[M, N]``: row ``m`` of expert ``e`` times ``w_enk[e]`` (out, in), accumulated in
-    float32 from the operands' dtype, with work O(rows) (see the comment above
-    :data:`TILE_ROWS_TUNING`). Rows past ``sum(group_sizes_e)`` give zeros, as
-    ``jax.lax.ragged_dot`` does.
-
-    Args:
-      a_mk: ``[M, K]`` rows sorted by expert.
-      w_enk: ``[E, N, K]``, the same dtype as ``a_mk``.
-      group_sizes_e: int32 ``[E]``, read as the kernels read it (negative as 0, cut off at ``M``).
-      platform: ``Target.platform``, which picks the tile size and the scan steps.
-      precision: as for ``jnp.einsum``.
-    """
-    m = a_mk.shape[0]
-    num_experts = w_enk.shape[0]
-    c = tile_rows(m, num_experts, platform)
-    log2_c = c.bit_length() - 1  # c is a power of two: shifts, not signed divisions (fewer ops)
-    starts_e, ends_e = group_bounds(group_sizes_e, num_rows=m)
-    row_m = jnp.arange(m, dtype=jnp.int32)
-    # Each row's expert: how many experts end at or before it (a search, in three ops).
-    expert_m = jnp.cumsum(jnp.zeros((m,), jnp.int32).at[ends_e].add(1, mode="drop"))
-    expert_m = jnp.minimum(expert_m, num_experts - 1)
-    offset_m = row_m - starts_e[expert_m]
-    first_mn = _first_rows(a_mk, w_enk, starts_e, ends_e, c, precision)
-    y_mn = jnp.take(first_mn, (expert_m << log2_c) + jnp.minimum(offset_m, c - 1), axis=0, mode="clip")
-    if overflow_tiles(m, c):
-        tiles_e = (jnp.maximum(ends_e - starts_e - c, 0) + c - 1) >> log2_c
-        slot_m = ((jnp.cumsum(tiles_e) - tiles_e)[expert_m] << log2_c) + jnp.maximum(offset_m - c, 0)
-        rest_mn = jnp.take(_rest_rows(a_mk, w_enk, starts_e, ends_e, c, precision, platform), slot_m, axis=0,
-                           mode="clip")
-        y_mn = jnp.where((offset_m >= c)[:, None], rest_mn, y_mn)
-    return jnp.where((row_m < ends_e[-1])[:, None], y_mn, 0.0)
-
-
-# One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer
-# eagerly) compiles it once per shape instead of each of its few hundred small ops on its own.
-@functools.partial(jax.jit, static_argnums=3)
 def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
-    """Reference path: dequantize, then :func:`grouped_matmul` (fp32 accumulation, work O(rows)).
+    """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
     fused kernel that writes it in bf16 would. Under ``config.qat`` the weights are float
@@ -262,16 +122,20 @@ def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     dense = functools.partial(_straight_through, dtype=operand_dtype) if config.qat else (
         lambda w: dense_weight(w, operand_dtype))
     w_gate_up_egh, w_down_ehf = dense(weights["w_gate_up_egh"]), dense(weights["w_down_ehf"])
-    matmul = functools.partial(grouped_matmul, group_sizes_e=group_sizes_e, platform=plan.target.platform,
-                               precision=precision)
-    h_mg = matmul(rows(x_mh.astype(dtype), gate_up_scale_e), w_gate_up_egh)
+    h_mg = jax.lax.ragged_dot_general(
+        rows(x_mh.astype(dtype), gate_up_scale_e), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
+        precision=precision, preferred_element_type=jnp.float32,
+    )
     a_mf = swiglu(h_mg).astype(dtype)
-    y_mh = matmul(rows(a_mf, down_scale_e), w_down_ehf)
+    y_mh = jax.lax.ragged_dot_general(
+        rows(a_mf, down_scale_e), w_down_ehf, group_sizes_e, _ROWS_TIMES_OUT_IN, precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     return y_mh.astype(dtype)
 
 
 def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
-    del target, config  # gathers, einsums and a scan: every backend runs them, and JAX differentiates them.
+    del target, config  # XLA's ragged_dot lowers on every backend and has a VJP.
     return None
 
 
@@ -554,8 +418,7 @@ EXPERT_GEMM = Registry(
         ),
         Implementation(
             name="xla",
-            summary=("reference: dequantize + a grouped matmul of XLA einsums over row tiles (fp32 accumulation, "
-                     "work O(rows)); any backend, differentiable"),
+            summary="reference: dequantize + jax.lax.ragged_dot (fp32 accumulation); any backend, differentiable",
             cannot_run=_xla_cannot_run,
             run=xla_expert_gemm,
         ),

@@ -6,6 +6,8 @@ Times, in one run:
   ``gate_up_swiglu`` (bf16, NVFP4);
 * ours, native: the Triton-language NVFP4 kernels (``triton_lang.py``, through jax-triton) in the
   mode this GPU runs (W4A16 below SM100), plain and fused, when jax-triton is importable;
+* ours, reference: the ``xla`` path's grouped matmul (``moe_jax.expert_gemm.grouped_matmul``, bf16,
+  XLA einsums over row tiles, work O(rows)), at every size;
 * ``jax.lax.ragged_dot`` (bf16);
 * JAX's Mosaic GPU ``ragged_dot_mgpu`` (bf16), after a small tuning sweep like its ``main()``;
 * ``torch._grouped_mm`` (bf16, CUTLASS) when torch is importable;
@@ -53,7 +55,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moe_jax import nvfp4  # noqa: E402
+from moe_jax import expert_gemm, nvfp4  # noqa: E402
 from pallas_kernels.grouped_matmul import Op, Variant, run, tuning  # noqa: E402
 
 EXPERTS = 384  # the default of --experts
@@ -209,6 +211,13 @@ def _native_available() -> bool:
     return True
 
 
+def xla_grouped_matmul(x, w, w_t, q, g):
+    """The ``xla`` reference path's grouped matmul (bf16 operands, float32 accumulation), with the
+    tile sizes of a GPU; its output rounded to bf16 as the other rows' are."""
+    del w_t, q
+    return expert_gemm.grouped_matmul(x, w, g, platform="cuda").astype(jnp.bfloat16)
+
+
 def ragged_dot(x, w, w_t, q, g):
     del w, q
     return jax.lax.ragged_dot(x, w_t, g, preferred_element_type=jnp.bfloat16)
@@ -344,6 +353,7 @@ def benchmark(args, cc: int, have_torch: bool, bandwidth: float, partial: pathli
                             results)
                     measure("ours_swiglu_nvfp4", lambda: time_jax(ours(Op.GATE_UP_SWIGLU, "nvfp4", cc), sets, runs),
                             results)
+                measure("ours_xla", lambda: time_jax(xla_grouped_matmul, sets, runs), results)
                 slow_sets = sets[:1] if rows >= 8192 else sets  # ragged_dot takes ~0.1 s a call there.
                 if rows * experts <= RAGGED_DOT_MAX_ROW_EXPERTS:
                     measure("jax_ragged_dot", lambda: time_jax(ragged_dot, slow_sets, runs), results)
@@ -451,7 +461,7 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
 
 
 IMPLS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4", "native_swiglu_nvfp4",
-         "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm", "tokamax_bf16", "tokamax_int4")
+         "ours_xla", "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm", "tokamax_bf16", "tokamax_int4")
 NVFP4_IMPLS = ("ours_nvfp4", "native_nvfp4")  # the plain GEMMs the floor is for
 
 

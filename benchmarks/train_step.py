@@ -36,8 +36,9 @@ time over calls); torch with ``grouped_gemm.time_torch`` (CUDA events, median of
 every call's outputs alive until the end, and dW outputs are GBs.
 
 Order: every ``pallas`` and torch row (each configuration's step, then its GEMMs) first, then
-the ``xla`` steps (slow: XLA expands ``ragged_dot`` densely over the experts, about 0.5 s a
-step at 32768 rows, and autotunes those GEMMs while compiling; ``--xla-rows`` limits them), then
+the ``xla`` steps (the reference: until ``moe_jax.expert_gemm.grouped_matmul`` replaced
+``ragged_dot``, which XLA expanded densely over the experts, about 0.5 s a step at 32768 rows;
+``--xla-rows`` limits them), then
 the layer. ``--budget-s`` starts nothing new past its time and records what it skipped.
 
 Provenance: device, command, commit (``--commit``, else ``$GIT_COMMIT``, else ``git

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from typing import TYPE_CHECKING, assert_never
 
 import jax
@@ -30,16 +31,11 @@ import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.registry import Implementation, Registry, Target
 from pallas_kernels.grouped_matmul.expert_mlp import swiglu
+from pallas_kernels.grouped_matmul.pallas_triton import group_bounds
 
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
     from moe_jax.plan import Plan
-
-# Contract x's dim 1 with w's dim 2: weights stay (out, in), as checkpoints store them.
-_ROWS_TIMES_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
-
 
 def dense_weight(w, dtype) -> jax.Array:
     """A bf16 array as is, or an NVFP4 tensor dequantized exactly (fp32), cast to ``dtype``."""
@@ -84,8 +80,166 @@ def _nvfp4_rows(a_mk, input_scale_e, group_sizes_e) -> tuple[jax.Array, jax.Arra
     return nvfp4.quantize_rows(a_mk, global_m)
 
 
+# --- The reference's grouped matmul: work O(rows), not O(rows x experts) -------------------
+#
+# ``jax.lax.ragged_dot`` computes every row against every expert and masks wherever XLA has no
+# native ragged dot (XLA:CPU; XLA:GPU as measured on an H200). Here the rows of expert ``e``
+# (sorted, contiguous) go two ways, in tiles of ``c`` rows (:func:`tile_rows`):
+#
+# * its first ``c`` rows: one batched matmul over all experts, ``[E, c, K] x [E, N, K]``, which
+#   reads the weights as they are (no copy);
+# * the rest (experts with more than ``c`` rows): tiles of ``c`` rows, each with its expert's
+#   weight gathered, ``[T, c, K] x [T, N, K]``, in scan steps of at most a budget of gathered
+#   bytes (:data:`GATHER_BUDGET_BYTES`). A tile holds rows of one expert; there are fewer than
+#   ``M / c`` tiles whatever the routing (:func:`overflow_tiles`).
+#
+# The rows reach that layout by one scatter and leave it by one gather (:func:`_slots`).
+#
+# Work: ``2 K N (E c + M)`` at most, so O(rows) plus ``E c`` rows of padding; weight copies:
+# fewer than ``M / c`` matrices. Every output row is one dot of its row with its expert's
+# weight over K, with float32 accumulation, as ``ragged_dot`` computes it.
+
+#: Per platform, ``(R, fewest, most)`` for :func:`tile_rows`. ``R``: how many rows of matmul one
+#: tile's weight copy (written, then read again) costs. CPU: measured on a 2-core EPYC
+#: (benchmarks/NOTES.md, "The xla path"): tiles of 16-64 rows all within 10% at the demo's shape,
+#: 16 best with few rows per expert. Accelerators: estimated, not measured: on an H200 (about
+#: 500 TFLOP/s bf16, 4.3 TB/s) copying one bf16 ``[N, K]`` matrix twice over costs what about
+#: 230 rows of its matmul do, and a batched matmul of fewer than ~128 rows per expert is bound by
+#: reading the weights, so small tiles save nothing there.
+TILE_ROWS_TUNING = {"cpu": (32, 8, 1024), "accelerator": (256, 64, 1024)}
+
+#: Per platform, the most bytes of gathered expert weights one scan step of the overflow tiles
+#: holds (the rest of a step's memory is rows: ``c`` rows per tile). CPU: 8 MiB (steps of 4-8
+#: one-MiB tiles were fastest at the demo's shape, one step of 64 tiles 15% slower). Accelerators:
+#: 1 GiB, which bounds the copies whatever the size (Kimi K2's gate/up matrix is 59 MB in bf16).
+GATHER_BUDGET_BYTES = {"cpu": 8 << 20, "accelerator": 1 << 30}
+
+
+def _tuning_key(platform: str) -> str:
+    return "cpu" if platform == "cpu" else "accelerator"
+
+
+def tile_rows(num_rows: int, num_experts: int, platform: str) -> int:
+    """``c``, the rows per tile: the power of two nearest ``sqrt(R M / E)`` (the ``c`` that makes
+    the padding of the first rows, ``E c``, and the weight copies of the rest, ``R M / c`` rows of
+    work, equal), clamped to :data:`TILE_ROWS_TUNING`'s bounds and to ``M`` rounded up to a power
+    of two (no expert has more rows than ``M``)."""
+    r, fewest, most = TILE_ROWS_TUNING[_tuning_key(platform)]
+    best = math.sqrt(r * num_rows / num_experts)
+    c = 2 ** round(math.log2(best)) if best >= 1 else 1
+    return min(max(fewest, min(c, most)), 1 << max(num_rows - 1, 0).bit_length())
+
+
+def overflow_tiles(num_rows: int, c: int) -> int:
+    """A static bound on the tiles past each expert's first ``c`` rows: ``sum_e ceil(max(g_e - c,
+    0) / c) < sum_e g_e / c <= M / c`` (for an expert with more than ``c`` rows,
+    ``ceil((g - c) / c) = ceil(g / c) - 1 < g / c``), so at most ``(M - 1) // c`` (none for no rows)."""
+    return max(num_rows - 1, 0) // c
+
+
+def _slots(group_sizes_e, num_rows: int, c: int):
+    """Where each row goes in the padded layout, and which expert each overflow tile is of.
+
+    The layout has ``E c + T c`` slots (``T = overflow_tiles(M, c)``): slots ``e c + i`` hold
+    expert ``e``'s row ``i < c``; then, tile by tile, its rows past the first ``c`` (expert
+    ``e``'s tiles after those of the experts before it). Returns ``(slot_m, tile_expert_t)``,
+    int32 ``[M]`` and ``[T]``: rows past ``sum(group_sizes_e)`` (padding) get the slot
+    ``E c + T c``, one past the end; unused tiles get expert ``E - 1`` (their rows are zeros).
+
+    Built from compares and cumulative sums over the experts, not from the kernels'
+    ``tile_schedule``, whose unrolled search alone took half of this module's first version's
+    XLA:CPU compile time (benchmarks/NOTES.md, "The xla path").
+    """
+    num_experts = group_sizes_e.shape[0]
+    num_tiles = overflow_tiles(num_rows, c)
+    log2_c = c.bit_length() - 1  # c is a power of two: shifts, not signed divisions
+    starts_e, ends_e = group_bounds(group_sizes_e, num_rows=num_rows)
+
+    def owner(ends_g, size: int):
+        """For each index below ``size``: how many of the (sorted) ``ends_g`` are at or before it,
+        by comparing with all of them: ``size x E`` integer compares in one fused reduction, far
+        below the router's ``T x E x H`` and cheaper to compile than a search or a cumulative sum
+        of ``size`` elements (a scatter and a cumulative sum took 3x this one fusion's compile)."""
+        count = jnp.sum(ends_g[None, :] <= jnp.arange(size, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+        return jnp.minimum(count, num_experts - 1)
+
+    expert_m = owner(ends_e, num_rows)
+    offset_m = jnp.arange(num_rows, dtype=jnp.int32) - starts_e[expert_m]
+    tiles_e = (jnp.maximum(ends_e - starts_e - c, 0) + c - 1) >> log2_c
+    tile_ends_e = jnp.cumsum(tiles_e)
+    over_slot_m = num_experts * c + ((tile_ends_e - tiles_e)[expert_m] << log2_c) + offset_m - c
+    slot_m = jnp.where(offset_m < c, (expert_m << log2_c) + offset_m, over_slot_m)
+    slot_m = jnp.where(jnp.arange(num_rows) < ends_e[-1], slot_m, (num_experts + num_tiles) * c)
+    return slot_m, owner(tile_ends_e, num_tiles)
+
+
+def _steps(num_tiles: int, tiles_per_step: int) -> tuple[int, int]:
+    """``(steps, tiles per step)`` covering ``num_tiles`` with at most ``tiles_per_step`` a step,
+    the steps as even as can be (fewer than ``steps`` unused slots)."""
+    steps = -(-num_tiles // max(1, min(tiles_per_step, num_tiles)))
+    return steps, -(-num_tiles // steps)
+
+
+def _overflow_tiles_matmul(x_tck, w_enk, tile_expert_t, precision, platform: str) -> jax.Array:
+    """float32 ``[T, c, N]``: tile ``t``'s rows times its expert's weight, gathered per tile, in
+    scan steps of at most :data:`GATHER_BUDGET_BYTES` of gathered weights."""
+    num_tiles, c, k = x_tck.shape
+    per_matrix = w_enk.shape[1] * w_enk.shape[2] * jnp.dtype(w_enk.dtype).itemsize
+    steps, per_step = _steps(num_tiles, GATHER_BUDGET_BYTES[_tuning_key(platform)] // per_matrix)
+
+    def step(x_sck, expert_s):
+        return jnp.einsum("sck,snk->scn", x_sck, w_enk[expert_s], precision=precision,
+                          preferred_element_type=jnp.float32)
+
+    if steps == 1:
+        return step(x_tck, tile_expert_t)
+    padded = steps * per_step
+    x_tck = jnp.pad(x_tck, ((0, padded - num_tiles), (0, 0), (0, 0)))
+    tile_expert_t = jnp.pad(tile_expert_t, (0, padded - num_tiles))
+    # Rematerialized: autodiff would otherwise keep every step's gathered weights.
+    _, y_sscn = jax.lax.scan(lambda carry, xs: (carry, jax.checkpoint(step)(*xs)), (),
+                             (x_tck.reshape(steps, per_step, c, k), tile_expert_t.reshape(steps, per_step)))
+    return y_sscn.reshape(padded, c, -1)[:num_tiles]
+
+
+def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None) -> jax.Array:
+    """float32 ``[M, N]``: row ``m`` of expert ``e`` times ``w_enk[e]`` (out, in), accumulated in
+    float32 from the operands' dtype, with work O(rows) (see the comment above
+    :data:`TILE_ROWS_TUNING`). Rows past ``sum(group_sizes_e)`` give zeros, as
+    ``jax.lax.ragged_dot`` does.
+
+    The rows are scattered into the padded layout of :func:`_slots` (slots no row fills stay
+    zero, so nothing but an expert's own rows reaches its products or gradients), multiplied
+    there, and gathered back.
+
+    Args:
+      a_mk: ``[M, K]`` rows sorted by expert.
+      w_enk: ``[E, N, K]``, the same dtype as ``a_mk``.
+      group_sizes_e: int32 ``[E]``, read as the kernels read it (negative as 0, cut off at ``M``).
+      platform: ``Target.platform``, which picks the tile size and the scan steps.
+      precision: as for ``jnp.einsum``.
+    """
+    (m, k), num_experts = a_mk.shape, w_enk.shape[0]
+    c = tile_rows(m, num_experts, platform)
+    num_tiles = overflow_tiles(m, c)
+    slot_m, tile_expert_t = _slots(group_sizes_e, m, c)
+    x_sk = jnp.zeros(((num_experts + num_tiles) * c, k), a_mk.dtype).at[slot_m].set(
+        a_mk, mode="drop", unique_indices=True)
+    y_ecn = jnp.einsum("eck,enk->ecn", x_sk[:num_experts * c].reshape(num_experts, c, k), w_enk,
+                       precision=precision, preferred_element_type=jnp.float32)
+    y_sn = y_ecn.reshape(num_experts * c, -1)
+    if num_tiles:
+        y_tcn = _overflow_tiles_matmul(x_sk[num_experts * c:].reshape(num_tiles, c, k), w_enk, tile_expert_t,
+                                       precision, platform)
+        y_sn = jnp.concatenate([y_sn, y_tcn.reshape(num_tiles * c, -1)])
+    return jnp.take(y_sn, slot_m, axis=0, mode="fill", fill_value=0)
+
+
+# One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer
+# eagerly) compiles it once per shape instead of each of its few hundred small ops on its own.
+@functools.partial(jax.jit, static_argnums=3)
 def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
-    """Reference path: dequantize, then ``jax.lax.ragged_dot_general`` (fp32 accumulation).
+    """Reference path: dequantize, then :func:`grouped_matmul` (fp32 accumulation, work O(rows)).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
     fused kernel that writes it in bf16 would. Under ``config.qat`` the weights are float
@@ -122,20 +276,16 @@ def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     dense = functools.partial(_straight_through, dtype=operand_dtype) if config.qat else (
         lambda w: dense_weight(w, operand_dtype))
     w_gate_up_egh, w_down_ehf = dense(weights["w_gate_up_egh"]), dense(weights["w_down_ehf"])
-    h_mg = jax.lax.ragged_dot_general(
-        rows(x_mh.astype(dtype), gate_up_scale_e), w_gate_up_egh, group_sizes_e, _ROWS_TIMES_OUT_IN,
-        precision=precision, preferred_element_type=jnp.float32,
-    )
+    matmul = functools.partial(grouped_matmul, group_sizes_e=group_sizes_e, platform=plan.target.platform,
+                               precision=precision)
+    h_mg = matmul(rows(x_mh.astype(dtype), gate_up_scale_e), w_gate_up_egh)
     a_mf = swiglu(h_mg).astype(dtype)
-    y_mh = jax.lax.ragged_dot_general(
-        rows(a_mf, down_scale_e), w_down_ehf, group_sizes_e, _ROWS_TIMES_OUT_IN, precision=precision,
-        preferred_element_type=jnp.float32,
-    )
+    y_mh = matmul(rows(a_mf, down_scale_e), w_down_ehf)
     return y_mh.astype(dtype)
 
 
 def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
-    del target, config  # XLA's ragged_dot lowers on every backend and has a VJP.
+    del target, config  # gathers, einsums and a scan: every backend runs them, and JAX differentiates them.
     return None
 
 
@@ -418,7 +568,8 @@ EXPERT_GEMM = Registry(
         ),
         Implementation(
             name="xla",
-            summary="reference: dequantize + jax.lax.ragged_dot (fp32 accumulation); any backend, differentiable",
+            summary=("reference: dequantize + a grouped matmul of XLA einsums over row tiles (fp32 accumulation, "
+                     "work O(rows)); any backend, differentiable"),
             cannot_run=_xla_cannot_run,
             run=xla_expert_gemm,
         ),

@@ -123,10 +123,10 @@ def config(shape: Shape, fmt: str, **fields) -> MoEConfig:
 
 def _mode(name: str, fmt: str, capability: int | None) -> str:
     if fmt == "bf16":
-        return "ragged_dot" if name == "xla" else "bf16"
+        return "tiled einsum" if name == "xla" else "bf16"
     if name == "triton" and capability is not None:
         return "w4a4" if capability >= 100 else "w4a16"
-    return {"pallas": "w4a16" if capability else "-", "xla": "dequantize + ragged_dot"}.get(name, "-")
+    return {"pallas": "w4a16" if capability else "-", "xla": "dequantize + tiled einsum"}.get(name, "-")
 
 
 def _failure(err: Exception) -> str:

@@ -117,8 +117,8 @@ def test_selftest_prints_the_header_then_the_table(monkeypatch, capsys, cpu_devi
         [e, "8"] for e in exchanges_that_run(mesh_for(8, cpu_devices, 1), PROBE_CONFIG)]
     end = table + 3 + len(layers)
     rows = [line.split(" | ")[:9] for line in lines[table + 2:end]]
-    assert [row[:8] for row in rows] == [["| experts", "xla", "ragged_dot", "-", "1", "cpu", "small", "bf16"]] + [
-        ["| layer", "xla", "ragged_dot", *exchange_devices, "cpu", "small", "bf16"] for exchange_devices in layers]
+    assert [row[:8] for row in rows] == [["| experts", "xla", "tiled einsum", "-", "1", "cpu", "small", "bf16"]] + [
+        ["| layer", "xla", "tiled einsum", *exchange_devices, "cpu", "small", "bf16"] for exchange_devices in layers]
     assert all("| PASS |" in line for line in lines[table + 2:end])
     assert lines[end:end + 3] == ["", "Not run here:", "- full-size (kimi_k2) cases: skipped (--quick)"]
     assert ["ragged", "8"] in layers and ["onecopy", "8"] in layers  # on the twin of ragged_all_to_all

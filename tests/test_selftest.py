@@ -90,7 +90,7 @@ def test_nvfp4_stage_and_layer_on_one_device_and_expert_parallel_on_eight(cpu_de
     mesh = meshes[selftest.SMALL]
     params = selftest.random_layer_params(selftest.SMALL, "nvfp4", cpu_devices[0], rng)
     stage = selftest.check("xla", selftest.SMALL, "nvfp4", params["experts"], cpu_devices[0], rng, iters=1)
-    assert stage.passed and stage.mode == "dequantize + ragged_dot", stage
+    assert stage.passed and stage.mode == "dequantize + tiled einsum", stage
     cases = [selftest.LayerCase("xla", "none"), *(selftest.LayerCase("xla", e, mesh) for e in ("padded", "ragged"))]
     results, not_run = selftest.check_layer(selftest.SMALL, "nvfp4", params, cases, cpu_devices[0], rng, iters=1)
     # ragged runs on XLA:CPU through the twin of ragged_all_to_all (sharding.exchange.emulated).

@@ -268,6 +268,16 @@ def _expert_weights(params: Params, config: MoEConfig) -> dict:
     return {**params["experts"], "input_scales": {name: scales[name] for name in ("gate_e", "up_e", "down_e")}}
 
 
+def _varying_over(tree, axis_names: tuple[str, ...]):
+    """``tree`` with every leaf cast to varying over ``axis_names`` (inside ``shard_map``; the
+    axes a leaf already varies over are left as they are)."""
+    def cast(leaf):
+        missing = tuple(a for a in axis_names if a not in jax.typeof(leaf).manual_axis_type.varying)
+        return jax.lax.pcast(leaf, missing, to="varying")
+
+    return jax.tree.map(cast, tree) if axis_names else tree
+
+
 def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[str, ...]):
     """One device's share: route, exchange + experts, combine, shared expert, statistics.
 
@@ -295,7 +305,13 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     ids_tk = jnp.where(counted_t[:, None], ids_tk, config.num_experts)
 
     expert_impl = EXPERT_GEMM[plan.expert_gemm]
-    expert_weights = _expert_weights(params, config)
+    # Cast to varying over every mesh axis here, before the exchange: the transpose of the cast
+    # (a psum of the weights' gradient over the axes they are replicated along) then runs here,
+    # on every device. Left implicit, the cast happens where the weights meet the rows, inside the
+    # exchange's switch over buffer sizes, whose branch is the same along the expert axis only:
+    # two data-parallel groups in different branches ran different all-reduces and deadlocked
+    # (benchmarks/NOTES.md, section 7).
+    expert_weights = _varying_over(_expert_weights(params, config), axis_names)
 
     def expert_fn(x_mh, group_sizes_e):
         with jax.named_scope(plan.scope(EXPERT_GEMM.stage)):

@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -155,6 +156,48 @@ def test_gradients_match_single_device(rng, cpu_devices, plan_for, exchange):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), jax.tree_util.keystr(path[0])
         np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * np.abs(b).max())
+
+
+#: Primitives that name mesh axes without communicating over them.
+_LOCAL_AXIS_PRIMITIVES = ("axis_index", "pvary")
+
+
+def _collectives_in_switches(jaxpr, in_branch: bool = False):
+    """``(primitive, mesh axes)`` of every collective inside a ``cond`` (``lax.switch``), and
+    ``("cond", ())`` for each ``cond``, recursively."""
+    for eqn in jaxpr.eqns:
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        # Mesh axes are names; a reduction's positional axes are ints.
+        named = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,)) if isinstance(a, str))
+        if in_branch and named and eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
+            yield eqn.primitive.name, named
+        if eqn.primitive.name == "cond":
+            yield "cond", ()
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                    yield from _collectives_in_switches(getattr(sub, "jaxpr", sub),
+                                                        in_branch or eqn.primitive.name == "cond")
+
+
+@pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
+def test_gradient_communicates_over_the_expert_axis_only_inside_the_switch(rng, cpu_devices, plan_for, exchange):
+    """The exchanges pick a buffer size at run time (``switch_on_size``) from counts gathered over
+    the expert axis, so devices of different data-parallel groups can take different branches.
+    A branch must therefore communicate over the expert axis only, in the gradient too: the
+    expert weights' gradient is summed over the data axis outside the switch
+    (``moe_jax.layer``). Summed inside it, the two groups ran different all-reduces (the xla
+    path's branches differ in their number) and XLA:CPU deadlocked (benchmarks/NOTES.md,
+    section 7). Checked on the jaxpr: the deadlock needs a routing whose groups pick different
+    buckets."""
+    params, x = make(BASE, rng, TOKENS)
+    r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    plan = plan_for(BASE, mesh_for(4, cpu_devices), exchange)
+    jaxpr = jax.make_jaxpr(jax.grad(probed_loss, argnums=(0, 1)), static_argnums=3)(
+        shard_params(params, plan), x, r, plan)
+    found = list(_collectives_in_switches(jaxpr.jaxpr))
+    assert ("cond", ()) in found, "no switch found: the check would pass vacuously"
+    assert {axis for _, axes in found for axis in axes} <= {BASE.expert_axis}, found
 
 
 def expected_with_capacity(params, x, config, ep, data):

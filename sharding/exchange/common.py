@@ -23,7 +23,10 @@ def capacity_rows(capacity_factor: float | None, rows: int) -> int | None:
 
 def switch_on_size(needed: jax.Array, buckets: tuple[int, ...], branch: Callable[[int], tuple]) -> tuple:
     """``branch(size)`` for the first bucket size that holds ``needed`` rows; ``needed`` must
-    be the same on every device whose collectives the branch runs."""
+    be the same on every device whose collectives the branch runs. The exchanges gather it over
+    the expert axis, so a branch may communicate over that axis only, in its gradient too:
+    devices of two data-parallel groups can take different branches (the caller sums gradients
+    over other axes outside the exchange)."""
     if len(buckets) == 1:
         return branch(buckets[0])
     return jax.lax.switch(bucket_index(needed, buckets), [functools.partial(branch, b) for b in buckets])

@@ -20,7 +20,13 @@ fresh process puts them. Results: ``layer.json``, ``layer.md`` and ``layer.png``
 
 Usage::
 
-    python benchmarks/layer.py --out DIR [--tokens 32 256 2048 8192] [--iters 20]
+    python benchmarks/layer.py --out DIR [--tokens 32 256 2048 8192] [--iters 20] [--skip-torch]
+        [--impls "bf16 triton" "bf16 xla" ...]
+
+Each JAX row is compiled first and its buffers (XLA's buffer assignment) checked against what the
+GPU has free: a row that cannot fit is recorded as a MemoryError before it runs, never left to
+fail inside XLA (whose GEMM autotuner drops the configurations it cannot allocate). Each row
+records those bytes and the allocator's peak (``layer.md``, "Memory").
 """
 
 from __future__ import annotations
@@ -69,10 +75,38 @@ def floor_bytes(config: moe_jax.MoEConfig, fmt: str, touched: int, tokens: int) 
     return int(touched * expert_bytes(config, fmt) + shared + router + 2 * tokens * h * 2)
 
 
-def jax_rows(tokens_list, iters: int, out: list, save) -> None:
+def program_memory(compiled) -> dict:
+    """Bytes of a compiled program's buffers, from XLA's buffer assignment."""
+    m = compiled.memory_analysis()
+    return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+            "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes}
+
+
+def check_fits(memory: dict, device) -> dict:
+    """What ``device``'s allocator holds and may hold; raises MemoryError (recorded as the row's
+    error, before anything runs) where the program's temporaries and outputs exceed what is free
+    beside the arguments, already resident. An allocation that fails at run time (XLA's GEMM
+    autotuner's included, which otherwise drops the configurations it cannot fit) would leave the
+    row's time, or the rows after it, in doubt. No check where the backend keeps no statistics
+    (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return {}
+    free = stats["bytes_limit"] - stats["bytes_in_use"]
+    needed = memory["temp_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+    if needed > free:
+        raise MemoryError(f"the program needs {needed / 1e9:.1f} GB beside its arguments, "
+                          f"{free / 1e9:.1f} GB of {stats['bytes_limit'] / 1e9:.1f} GB free")
+    return {"bytes_limit": stats["bytes_limit"], "bytes_in_use_before": stats["bytes_in_use"]}
+
+
+def jax_rows(tokens_list, iters: int, out: list, save, labels=None) -> None:
     auto = moe_jax.resolve(moe_jax.MoEConfig.kimi_k2(weight_format="nvfp4"), None)
     out.append({"impl": "auto (nvfp4)", "expert_gemm": auto.expert_gemm, "report": auto.report})
+    device = jax.devices()[0]
     for label, fmt, gemm in IMPLEMENTATIONS:
+        if labels is not None and label not in labels:
+            continue
         config = moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm)
         try:
             plan = moe_jax.resolve(config, None)
@@ -85,11 +119,17 @@ def jax_rows(tokens_list, iters: int, out: list, save) -> None:
             entry = {"impl": label, "format": fmt, "expert_gemm": plan.expert_gemm, "tokens": tokens}
             try:
                 x = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16)
-                _, stats = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan))(params, x)
+                forward = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan)).lower(params, x).compile()
+                entry["memory"] = program_memory(forward)
+                entry["memory"].update(check_fits(entry["memory"], device))
+                _, stats = forward(params, x)
                 touched = int(np.count_nonzero(np.asarray(stats["tokens_per_expert"])))
+                del forward
                 seconds, compile_s = timed(lambda p, x: moe_jax.moe_forward(p, x, plan)[0], params, x, iters=iters)
                 entry.update(seconds=seconds, compile_seconds=compile_s, touched_experts=touched,
                              floor_bytes=floor_bytes(config, fmt, touched, tokens))
+                if (after := device.memory_stats()) and "peak_bytes_in_use" in after:
+                    entry["memory"]["peak_bytes_in_use_so_far"] = after["peak_bytes_in_use"]
             except Exception as err:
                 entry["error"] = f"{type(err).__name__}: {str(err)[:400]}"
             print(json.dumps(entry), flush=True)
@@ -210,6 +250,15 @@ def markdown(results: dict) -> str:
     auto = [r for r in rows if r["impl"].startswith("auto") and "expert_gemm" in r]
     if auto:
         lines += ["", f"`auto` chose `{auto[0]['expert_gemm']}` for NVFP4 on this GPU."]
+    measured = [r for r in rows if "memory" in r and "bytes_limit" in r["memory"]]
+    if measured:
+        lines += ["", "Memory (GB; XLA's buffer assignment of each program, its arguments resident; the allocator's "
+                  "peak since the process started, after the row):", ""]
+        lines += [f"- {r['impl']} at {r['tokens']} tokens: arguments {r['memory']['argument_bytes'] / 1e9:.1f}, "
+                  f"temporaries {r['memory']['temp_bytes'] / 1e9:.1f}, outputs {r['memory']['output_bytes'] / 1e9:.1f}"
+                  + (f", peak {r['memory']['peak_bytes_in_use_so_far'] / 1e9:.1f}"
+                     if "peak_bytes_in_use_so_far" in r["memory"] else "")
+                  + f" of {r['memory']['bytes_limit'] / 1e9:.1f}" for r in measured]
     errors = [r for r in rows if "error" in r]
     if errors:
         lines += ["", "Errors:", ""] + [f"- {r['impl']} at {r.get('tokens', '-')} tokens: {r['error']}" for r in errors]
@@ -245,6 +294,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 2048, 8192])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--impls", nargs="+", choices=[label for label, _, _ in IMPLEMENTATIONS],
+                        help="only these JAX rows (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
@@ -263,7 +314,7 @@ def main() -> None:
         jax.block_until_ready(jnp.zeros((1 << 30,), jnp.float32)).delete()  # 4 GiB in and out first
         results["meta"]["copy_bandwidth_bytes_per_s"] = copy_bandwidth(20)
         anchor_rows(args.tokens, args.iters, results["rows"], save)
-        jax_rows(args.tokens, args.iters, results["rows"], save)
+        jax_rows(args.tokens, args.iters, results["rows"], save, args.impls)
     except Exception:
         traceback.print_exc()
     save()

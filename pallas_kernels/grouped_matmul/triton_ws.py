@@ -77,12 +77,14 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 def ws_bf16_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, out_in_ptr, out_ptr,
                    M: tl.constexpr,
                    E: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, FUSED: tl.constexpr,
-                   NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One tile: rows ``[row_start, min(row_end, row_start + BLOCK_M))`` of one expert x output
+                   NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One tile: rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     columns ``[j BLOCK_N, (j + 1) BLOCK_N)``. ``x`` bf16 ``[M, K]``, ``w`` bf16 ``[E, N_W, K]``
     (``N_W = 2 N_OUT`` for the fused gate/up: gate rows, then up rows), ``out`` bf16 ``[M, N_OUT]``
-    (``out_in_ptr`` is the same buffer, aliased: never read)."""
+    (``out_in_ptr`` is the same buffer, aliased: never read). ``EXTRA_M > 0``: a second dot of
+    ``EXTRA_M`` rows against the same weight tile, always run (no branch inside the specialized
+    loop): ~170 rows per expert fill 192 MMA rows in one tile, not two tiles' 256."""
     t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
     row_start = tl.load(tile_start_ptr + t)
     row_end = tl.load(tile_end_ptr + t)
@@ -96,16 +98,37 @@ def ws_bf16_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, 
     w_row = expert * (H * N_OUT) + j * BLOCK_N
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    XM: tl.constexpr = EXTRA_M if EXTRA_M > 0 else 16  # placeholder shape when there are no extra rows
+    acc2 = tl.zeros((BLOCK_N, XM), tl.float32)
+    acc2_u = tl.zeros((BLOCK_N, XM), tl.float32)
+    if EXTRA_M > 0:
+        x2_d = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[EXTRA_M, BLOCK_K])
     for i in tl.range(0, n_k, num_stages=NUM_STAGES, warp_specialize=True):
         x = x_d.load([row_start, i * BLOCK_K])
-        acc = tl.dot(w_d.load([w_row, i * BLOCK_K]), x.T, acc)
+        w_g = w_d.load([w_row, i * BLOCK_K])
+        acc = tl.dot(w_g, x.T, acc)
         if FUSED:
-            acc_u = tl.dot(w_d.load([w_row + N_OUT, i * BLOCK_K]), x.T, acc_u)
+            w_u = w_d.load([w_row + N_OUT, i * BLOCK_K])
+            acc_u = tl.dot(w_u, x.T, acc_u)
+        if EXTRA_M > 0:
+            x2 = x2_d.load([row_start + BLOCK_M, i * BLOCK_K])
+            acc2 = tl.dot(w_g, x2.T, acc2)
+            if FUSED:
+                acc2_u = tl.dot(w_u, x2.T, acc2_u)
+    _store(acc, acc_u, out_ptr, row_start, row_end, 0, j, N_OUT, FUSED, BLOCK_M, BLOCK_N)
+    if EXTRA_M > 0:
+        _store(acc2, acc2_u, out_ptr, row_start, row_end, BLOCK_M, j, N_OUT, FUSED, EXTRA_M, BLOCK_N)
+
+
+@triton.jit
+def _store(acc, acc_u, out_ptr, row_start, row_end, first: tl.constexpr, j, N_OUT: tl.constexpr, FUSED: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SwiGLU (fused op) and the masked store of rows ``row_start + first + [0, BLOCK_M)``."""
     if FUSED:
         y = acc / (1.0 + tl.exp(-acc)) * acc_u
     else:
         y = acc
-    local_m = tl.arange(0, BLOCK_M)
+    local_m = first + tl.arange(0, BLOCK_M)
     ok_m = row_start + local_m < row_end
     cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     out_at = out_ptr + (row_start + local_m)[None, :].to(tl.int64) * N_OUT + cols_n[:, None]
@@ -122,6 +145,7 @@ class WsSpec:
     k: int
     n_out: int
     block_m: int = 128
+    extra_m: int = 0
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
@@ -130,7 +154,11 @@ class WsSpec:
 
     @property
     def max_tiles(self) -> int:
-        return pallas_triton.max_tiles(self.num_rows, self.num_experts, self.block_m)
+        return pallas_triton.max_tiles(self.num_rows, self.num_experts, self.rows_per_tile)
+
+    @property
+    def rows_per_tile(self) -> int:
+        return self.block_m + self.extra_m
 
     @property
     def num_programs(self) -> int:
@@ -138,7 +166,7 @@ class WsSpec:
 
     def constexprs(self) -> dict:
         return dict(M=self.num_rows, E=self.num_experts, K=self.k, N_OUT=self.n_out, FUSED=self.op is Op.GATE_UP_SWIGLU,
-                    NUM_TILES=self.max_tiles, BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                    NUM_TILES=self.max_tiles, BLOCK_M=self.block_m, EXTRA_M=self.extra_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
                     GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages)
 
 
@@ -232,7 +260,7 @@ def launch(spec: WsSpec, group_sizes_e, x_mk, w, out=None):
     """bf16 ``[M, n_out]``, written into ``out`` (aliased) where given, else into zeros; rows past
     ``sum(group_sizes_e)`` keep its values."""
     kernel = compile_kernel(spec, 90)
-    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.block_m,
+    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=spec.rows_per_tile,
                                             num_tiles=spec.max_tiles)
     if out is None:
         out = jnp.zeros((spec.num_rows, spec.n_out), jnp.bfloat16)

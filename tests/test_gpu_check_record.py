@@ -3,6 +3,7 @@ verdict fails on a failed test, an unfinished pass or a failed demo (hand-writte
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -291,3 +292,59 @@ def test_a_continuation_of_a_cut_off_pass_with_its_interrupt_passes(tmp_path):
         refused = subprocess.run(base + ["--collected", collected, "--pass", "1 GPU, second call|0|9|pytest_1gpu.xml|log.txt|pytest"],
                                  capture_output=True, text=True)
         assert refused.returncode == 2 and f"--collected {collected}: missing or empty" in refused.stderr
+
+
+# tools/gpu_check.sh end to end, with a stand-in for the interpreter: the device report, the demo
+# and pytest are faked (no GPU, no jax); the record tool is the real one.
+_FAKE_PYTHON = """#!/usr/bin/env bash
+case "$1 $2" in
+  "-m pytest") exec "$REAL_PYTHON" "$FAKE_PYTEST" "${@:3}" ;;
+  "-m moe_jax.cli") echo "moe-jax demo on 1 x NVIDIA H200 (gpu)"; exit 0 ;;
+esac
+if [[ "$1" == "-" ]]; then cat > /dev/null; echo "python: 3.12.3"; echo "jax_gpu_count: 1"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+"""
+_FAKE_PYTEST = """import os, sys, time
+args = sys.argv[1:]
+xml = next(a.split("=", 1)[1] for a in args if a.startswith("--junitxml="))
+ids = [a for a in args if "::" in a]
+def write(done):
+    cases = "".join(f'<testcase classname="{i.split("::")[0][:-3].replace("/", ".")}" file="{i.split("::")[0]}" '
+                    f'name="{i.split("::")[1]}" time="1.0"/>' for i in done)
+    with open(xml, "w") as f:
+        f.write(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
+if "MOE_JAX_COLLECTED_IDS" in os.environ:  # a first call: collects three tests, runs two, then hangs
+    with open(os.environ["MOE_JAX_COLLECTED_IDS"], "w") as f:
+        f.write("tests/test_a.py::test_1\\ntests/test_a.py::test_2\\ntests/test_b.py::test_3\\n")
+    write(["tests/test_a.py::test_1", "tests/test_a.py::test_2"])
+    time.sleep(120)
+with open(os.environ["FAKE_ARGS"], "w") as f:  # a continuation: what it was asked to run
+    f.write("\\n".join(ids))
+write(ids)
+"""
+
+
+def test_the_script_records_a_cut_off_pass_and_continues_it_with_the_first_calls_list(tmp_path):
+    root = TOOL.parents[1]
+    (tmp_path / "python").write_text(_FAKE_PYTHON)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "pytest.py").write_text(_FAKE_PYTEST)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")},
+           "PYTHON": str(tmp_path / "python"), "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "pytest.py"),
+           "FAKE_ARGS": str(tmp_path / "args.txt"), "GIT_COMMIT": "abc123", "GIT_DIRTY": "0", "GPU_CHECK_PASS1_S": "3"}
+    first = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / "call1")], env=env,
+                           capture_output=True, text=True, timeout=120)
+    record1 = (tmp_path / "call1" / "gpu_check.md").read_text()
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "rc 124: cut off by its time limit" in record1 and "passed 2, failed 0, skipped 0, errors 0 (of 2)" in record1
+    assert record1.rstrip().endswith("cut off by its time limit after 2 tests (rc 124); 1 of 3 collected tests did not "
+                                     "run (tests/test_b.py::test_3)")
+    second = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / "call2")],
+                            env={**env, "GPU_CHECK_CONTINUE": str(tmp_path / "call1")}, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tmp_path / "args.txt").read_text() == "tests/test_b.py::test_3"  # only what the first call did not reach
+    assert ((tmp_path / "call2" / "pass1_collected.txt").read_text()
+            == (tmp_path / "call1" / "pass1_collected.txt").read_text())  # the first call's list
+    record2 = (tmp_path / "call2" / "gpu_check.md").read_text()
+    assert record2.startswith("# GPU check: passed") and "continues an earlier call" in record2

@@ -33,10 +33,20 @@
 #   GPU_CHECK_MARKS="expr"         pass 1's marker expression (default: "gpu or gpu_check"; "" for all)
 #   GPU_CHECK_PASS2="paths/args"   pytest selection of pass 2, run with -m gpu (default: tests)
 #   GPU_CHECK_PASSES="1 2"         which passes to run (e.g. "2" for pass 2 in a call of its own)
-#   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist)
+#   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist). Not more: the tests
+#                                  are compile- and host-bound, and 4 workers already slow each test
+#                                  1.4-1.9x against running alone; at 5 (6e4061a) every file's tests
+#                                  took 1.2-1.6x their 4-worker time, and a worker that has run a
+#                                  Kimi K2-size bf16 test keeps ~30 GB of GPU memory in its allocator
+#                                  (benchmarks/NOTES.md, section 7)
+#   GPU_CHECK_BLAS_THREADS=N       NumPy's BLAS threads per pytest process (default: CPU cores /
+#                                  workers, 4 on the H200 machine; 0: leave OPENBLAS_NUM_THREADS and
+#                                  OMP_NUM_THREADS alone): four workers' float64 references with a
+#                                  thread per core each would oversubscribe the cores
 #   GPU_CHECK_BUDGET_S=540         seconds for the whole script (the device call allows 600; pass 1's
 #                                  kill grace of 30 s and the record still fit)
-#   GPU_CHECK_PASS1_S=450          upper bound for pass 1
+#   GPU_CHECK_PASS1_S=480          upper bound for pass 1; the budget caps it (~474 s after the ~36 s
+#                                  of device report and demo); pass 1 is estimated at ~427-443 s
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
 #   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed (a test's own
 #                                  timeout marker wins)
@@ -135,6 +145,9 @@ fi
 # --- pytest passes -------------------------------------------------------------------------
 pytest_opts=(-p no:cacheprovider -q --tb=short -o junit_family=xunit1 -o junit_logging=no)
 if [[ "$workers" != 0 ]]; then pytest_opts+=(-n "$workers"); fi
+blas_threads=${GPU_CHECK_BLAS_THREADS:-$(max 1 $(( $(nproc) / $(max 1 "$workers") )))}
+blas_env=()
+if [[ "$blas_threads" != 0 ]]; then blas_env=(OPENBLAS_NUM_THREADS="$blas_threads" OMP_NUM_THREADS="$blas_threads"); fi
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   # thread method: a test stuck inside a CUDA call is still stopped, by ending its worker, which
   # xdist reports as a crash with no traceback (the record says so). A test that needs longer
@@ -154,7 +167,7 @@ shell_line() {
 # run_pass NAME LABEL SECONDS [env assignments --] pytest args...
 run_pass() {
   local name=$1 label=$2 limit=$3; shift 3
-  local envs=()
+  local envs=("${blas_env[@]}")
   while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
   shift
   local t0 rc
@@ -175,8 +188,11 @@ run_pass() {
 }
 
 # Pass 1: by marker, over every test file (tests/test_gpu_check_selection.py checks the rule).
-# tests/conftest.py puts the tests with their own timeout marker (the serving soaks, ~130 s and
-# ~150 s, each on one worker) first, so that they run beside the rest instead of after it.
+# tests/conftest.py puts the tests with their own timeout marker (the serving soaks, ~100 s and
+# ~45 s estimated at 79698bd's speed, on one worker) first, so that they run beside the rest
+# instead of after it. xdist's load scheduling then packs the rest within 1% of longest-first
+# (a replay of its scheduler with 79698bd's durations: 521 s against 517 s before this change's
+# cuts, 443 s against 439 s after them).
 pass1="${GPU_CHECK_PASS1:-tests}"
 marks="${GPU_CHECK_MARKS-gpu or gpu_check}"
 passes="${GPU_CHECK_PASSES:-1 2}"
@@ -200,12 +216,12 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
   mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml")
   echo "== continuing pass 1 of $prev: ${#pass1_left[@]} of $(wc -l < "$out/pass1_collected.txt") collected tests left"
   if (( ${#pass1_left[@]} )); then
-    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
+    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-480}" "$(max 60 "$(( $(left) - 30 ))")")" \
       CUDA_VISIBLE_DEVICES=0 -- -m "$marks" "${pass1_left[@]}"
   fi
 elif [[ " $passes " == *" 1 "* ]]; then
   # shellcheck disable=SC2086  # word splitting of the paths is intended
-  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
+  run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0)" "$(min "${GPU_CHECK_PASS1_S:-480}" "$(max 60 "$(( $(left) - 30 ))")")" \
     CUDA_VISIBLE_DEVICES=0 MOE_JAX_COLLECTED_IDS="$out/pass1_collected.txt" -- -m "$marks" $pass1
   if [[ -s "$out/pass1_collected.txt" ]]; then
     record_args+=(--collected pass1_collected.txt)

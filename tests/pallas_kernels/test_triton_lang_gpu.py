@@ -102,19 +102,47 @@ def test_native_row_paths_at_their_boundaries(rng, op):
 @pytest.mark.parametrize("experts", [64, 1], ids=["routed", "shared"])
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 def test_native_at_the_serving_soaks_shapes(rng, op, experts):
-    """Every bucket of ``test_serving_gpu.py``'s soak (16 to 8192 tokens, top-8 of 64 experts
-    at H=1024, F=512, and its shared expert as one group of all tokens), part-filled as a
-    bucket is: each tile family (decode, one group, prefill with tails and extra rows, many
-    rows) at row counts the layer gives it, with the unfilled rows NaN-poisoned."""
+    """Every bucket of ``test_serving_gpu.py``'s soak (``test_serving.GPU_BUCKETS``: 16, 64, 512
+    and 8192 tokens, top-8 of 64 experts at H=1024, F=512, and its shared expert as one group of
+    all tokens), part-filled as a bucket is: each tile family (decode, one group, prefill with
+    tails and extra rows, many rows) at row counts the layer gives it, with the unfilled rows
+    NaN-poisoned. Each bucket is a compilation of its own (the tile count is a constant of the
+    kernel): the soak's four give every tile that ``token_buckets(8192)``'s ten would (the test
+    below checks that)."""
+    from test_serving import GPU_BUCKETS
+
+    h, f, top_k = 1024, 512, 8
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    rows_per_token = top_k if experts > 1 else 1
+    for i, bucket in enumerate(GPU_BUCKETS):  # a token count that lands in each bucket, the last one full
+        fewest = GPU_BUCKETS[i - 1] + 1 if i else 1
+        tokens = bucket if i == len(GPU_BUCKETS) - 1 else int(rng.integers(fewest, bucket + 1))
+        sizes = rng.multinomial(tokens * rows_per_token, rng.dirichlet(np.ones(experts))).astype(np.int32)
+        _check(rng, op, experts, k, n_out, sizes, padding=(bucket - tokens) * rows_per_token)
+
+
+@pytest.mark.parametrize("experts", [64, 1], ids=["routed", "shared"])
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("capability", sorted(triton_lang.NATIVE_TILES))
+def test_the_soaks_buckets_reach_every_tile_of_every_bucket_size(op, experts, capability):
+    """The soak's buckets (``test_serving.GPU_BUCKETS``) give each op the same tiles as every
+    size of ``token_buckets(8192)`` would: the GPU soak and the test above lose no tile by
+    compiling four buckets instead of ten (host logic, on the CPU)."""
+    from test_serving import GPU_BUCKETS
+
     from moe_jax.serving import token_buckets
 
     h, f, top_k = 1024, 512, 8
     k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
     rows_per_token = top_k if experts > 1 else 1
-    for bucket in token_buckets(8192):
-        tokens = bucket if bucket == 8192 else int(rng.integers(bucket // 2 + 1, bucket + 1))
-        sizes = rng.multinomial(tokens * rows_per_token, rng.dirichlet(np.ones(experts))).astype(np.int32)
-        _check(rng, op, experts, k, n_out, sizes, padding=(bucket - tokens) * rows_per_token)
+
+    def tiles(buckets):
+        return {triton_lang.make_spec(op, triton_lang.mode_for(capability), num_rows=b * rows_per_token,
+                                      num_experts=experts, k=k, n_out=n_out, scale_groups=1,
+                                      compute_capability=capability).tile for b in buckets}
+
+    assert set(GPU_BUCKETS) <= set(token_buckets(8192)) and GPU_BUCKETS[-1] == 8192
+    assert tiles(GPU_BUCKETS) == tiles(token_buckets(8192))
 
 
 @pytest.mark.gpu

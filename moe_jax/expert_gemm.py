@@ -492,18 +492,20 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
     return f"NVFP4 per row, {scale} (activation_scale={config.activation_scale!r}; {where}){shared}"
 
 
-#: The most tokens per device for which NVFP4 shared-expert weights go through the routed
-#: experts' W4A16 kernels (one group holding every token), read as stored at 4.5 bits a weight.
-#: Above it they are dequantized once per call and multiplied by XLA's bf16 GEMM: once enough
-#: rows share each weight tile, cuBLAS's bf16 rate beats the W4A16 prefill kernels by more than
-#: the dequantization costs (one H200, Kimi K2's shared expert: benchmarks/NOTES.md, "The
-#: shared expert").
-SHARED_KERNEL_MAX_TOKENS = 1024
+#: Per implementation, the most tokens per device for which NVFP4 shared-expert weights go
+#: through the routed experts' W4A16 kernels (one group holding every token), read as stored at
+#: 4.5 bits a weight; None: at every size. Above it they are dequantized once per call and
+#: multiplied by XLA's bf16 GEMM. On one H200 (Kimi K2's shared expert, 8192 tokens) the
+#: ``triton`` kernels took 1.45 ms for it in a 20-call profile under the board's power cap,
+#: against 1.51 ms for the dequantization (0.60 ms) and cuBLAS (0.91 ms) at boost clocks
+#: (benchmarks/NOTES.md, "The shared expert at every size"); the Pallas kernels' prefill rate is
+#: below cuBLAS's by more than the dequantization costs above 1024 tokens.
+SHARED_KERNEL_MAX_TOKENS = {"triton": None, "pallas": 1024}
 
 
-def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> tuple[int, str]:
+def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> tuple[int | None, str]:
     """How the shared expert runs, ``expert_gemm`` having been chosen for the routed ones:
-    ``(max tokens per device through the routed kernels (0: never), report line)``."""
+    ``(max tokens per device through the routed kernels (0: never, None: always), report line)``."""
     if not config.num_shared_experts:
         return 0, "none"
     if config.shared_format != "nvfp4":
@@ -520,22 +522,25 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
                        f"SM{target.compute_capability}; the shared expert's stay {config.dtype})")
     if config.shared_size % pallas_gmm.K_MULTIPLE:
         return 0, f"{dense} (its width {config.shared_size} is not a multiple of {pallas_gmm.K_MULTIPLE})"
-    return SHARED_KERNEL_MAX_TOKENS, (
-        f"NVFP4 weights through the {expert_gemm} kernels as one group, read as stored, up to "
-        f"{SHARED_KERNEL_MAX_TOKENS} tokens per device; above, {dense}")
+    limit = SHARED_KERNEL_MAX_TOKENS[expert_gemm]
+    through = f"NVFP4 weights through the {expert_gemm} kernels as one group, read as stored"
+    if limit is None:
+        return None, f"{through}, at every size (never dequantized)"
+    return limit, f"{through}, up to {limit} tokens per device; above, {dense}"
 
 
 def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:
     """The shared expert on every token: ``x_th [T, H]`` -> float32 ``[T, H]``.
 
-    Up to ``plan.shared_kernel_max_tokens`` tokens (see :func:`shared_expert_plan`) through the
+    Up to ``plan.shared_kernel_max_tokens`` tokens (None: any number; see :func:`shared_expert_plan`) through the
     routed experts' implementation as one expert holding all ``T`` rows (the output rounded to
     ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation. The
     HLO says which: ``jax.named_scope`` ``moe_jax.shared_expert.<expert_gemm>`` or ``.dense``.
     """
     dtype = jnp.dtype(plan.config.dtype)
     tokens = x_th.shape[0]
-    if 0 < tokens <= plan.shared_kernel_max_tokens:
+    limit = plan.shared_kernel_max_tokens
+    if tokens > 0 and (limit is None or tokens <= limit):
         one = {name: nvfp4.NVFP4Tensor(packed=w.packed[None], scales=w.scales[None], global_scale=w.global_scale[None])
                for name, w in (("w_gate_up_egh", w_gate_up_gh), ("w_down_ehf", w_down_hs))}
         with jax.named_scope(f"moe_jax.shared_expert.{plan.expert_gemm}"):  # which way it ran, in the HLO

@@ -49,8 +49,8 @@ class Plan:
     activations: str  # what the routed experts multiply their weights with (moe_jax.expert_gemm.activations_report)
     mesh: Mesh | AbstractMesh | None = None
     # How the shared expert runs (moe_jax.expert_gemm.shared_expert_plan): up to this many tokens per
-    # device through the routed experts' kernels (0: never), and the report's line for it.
-    shared_kernel_max_tokens: int = 0
+    # device through the routed experts' kernels (0: never, None: at every size), and the report's line.
+    shared_kernel_max_tokens: int | None = 0
     shared: str = "none"
     # Why the exchange's ragged_all_to_all runs as its twin (moe_jax.exchange.ragged_all_to_all_emulation),
     # or None: the backend's own collective, or an exchange without it.

@@ -11,6 +11,9 @@ Times, in one run:
 * ``jax.lax.ragged_dot`` (bf16);
 * JAX's Mosaic GPU ``ragged_dot_mgpu`` (bf16), after a small tuning sweep like its ``main()``;
 * ``torch._grouped_mm`` (bf16, CUTLASS) when torch is importable;
+* the dense anchor (``dense_anchor``): the same FLOPs as one plain XLA matmul (cuBLAS)
+  ``[M, K] x [K, N]``, bf16 operands and output, float32 accumulation, no experts; our kernels'
+  TFLOP/s over it are the page's "of anchor" table;
 * tokamax's ``ragged_dot`` with ``implementation="mosaic"`` (its Pallas Mosaic GPU kernels) in
   bf16 and with int4 weights (``qwix.quantize``, one scale per 128 of K), when tokamax is
   importable (a failure, an import error included, is recorded as that peer's result);
@@ -137,6 +140,16 @@ def nvfp4_bytes_per_expert(n: int, k: int) -> int:
     return n * k // 2 + n * k // 16
 
 
+ANCHOR_COPIES = 2  # the dense anchor's weight alternates between two copies (58 MB each at most)
+
+
+@functools.cache
+def dense_weight(n: int, k: int, copy: int):
+    """The dense anchor's bf16 ``w_kn`` ``[K, N]`` (one matrix, no experts)."""
+    key = jax.random.key(7 * (1000 * n + k) + copy)
+    return jax.block_until_ready((jax.random.normal(key, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16))
+
+
 def x_sets(rows: int, k: int, count: int, seed: int):
     keys = jax.random.split(jax.random.key(seed), count)
     return [jax.random.normal(key, (rows, k), jnp.bfloat16) for key in keys]
@@ -216,6 +229,18 @@ def xla_grouped_matmul(x, w, w_t, q, g):
     tile sizes of a GPU; its output rounded to bf16 as the other rows' are."""
     del w_t, q
     return expert_gemm.grouped_matmul(x, w, g, platform="cuda").astype(jnp.bfloat16)
+
+
+def dense_anchor(x, w_kn):
+    """The dense anchor: ``[M, K] x [K, N]`` as one XLA dot (cuBLAS on GPU), bf16 operands and
+    output; XLA:GPU accumulates bf16 GEMMs in float32."""
+    return jnp.dot(x, w_kn)
+
+
+def anchor_arg_sets(sets, n, k):
+    """``(x, w_kn)`` for :func:`dense_anchor`: the same x as ``sets`` in the same order, the weight
+    alternating between :data:`ANCHOR_COPIES` copies."""
+    return [(x, dense_weight(n, k, i % ANCHOR_COPIES)) for i, (x, *_) in enumerate(sets)]
 
 
 def ragged_dot(x, w, w_t, q, g):
@@ -341,6 +366,7 @@ def benchmark(args, cc: int, have_torch: bool, bandwidth: float, partial: pathli
                 print(f"{projection} {routing} M={rows} (active experts ~{active}, "
                       f"NVFP4 floor {floor_ms * 1e3:.1f} us)", flush=True)
                 results: dict = {}
+                measure("dense_anchor", lambda: time_jax(dense_anchor, anchor_arg_sets(sets, n, k), runs), results)
                 measure("ours_bf16", lambda: time_jax(ours(Op.MATMUL, "bf16", cc), sets, runs), results)
                 measure("ours_nvfp4", lambda: time_jax(ours(Op.MATMUL, "nvfp4", cc), sets, runs), results)
                 if native:
@@ -371,11 +397,16 @@ def benchmark(args, cc: int, have_torch: bool, bandwidth: float, partial: pathli
                                                              runs), results)
                     measure("tokamax_int4", lambda: time_jax(tokamax_fn(), int4_arg_sets(sets, n, k, experts), runs),
                             results)
+                anchor_ms = results["dense_anchor"].get("ms")
+                for impl in OURS:
+                    if anchor_ms is not None and "ms" in results.get(impl, {}):
+                        results[impl]["of_anchor"] = anchor_ms / results[impl]["ms"]
                 cases.append(Case(projection, routing, rows, active, results, floor_ms))
                 del sets
                 if partial is not None:  # Keep what is done if the run is cut short.
                     partial.write_text(json.dumps([dataclasses.asdict(c) for c in cases], indent=1, default=str))
         weights.cache_clear()  # one projection's weights at a time (they are tens of GB at 384 experts)
+        dense_weight.cache_clear()
         int4_weights.cache_clear()
     return cases, sweeps
 
@@ -460,9 +491,12 @@ def targets(cases: list[Case], mlp: dict) -> list[dict]:
     return out
 
 
-IMPLS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4", "native_swiglu_nvfp4",
+IMPLS = ("dense_anchor", "ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4",
+         "native_swiglu_nvfp4",
          "ours_xla", "jax_ragged_dot", "ragged_dot_mgpu", "torch_grouped_mm", "tokamax_bf16", "tokamax_int4")
 NVFP4_IMPLS = ("ours_nvfp4", "native_nvfp4")  # the plain GEMMs the floor is for
+OURS = ("ours_bf16", "ours_nvfp4", "ours_swiglu_bf16", "ours_swiglu_nvfp4", "native_nvfp4", "native_swiglu_nvfp4",
+        "ours_xla")  # our kernels (and the xla path): their TFLOP/s over the dense anchor's
 
 
 def markdown(meta, cases, mlp, goals) -> str:
@@ -504,6 +538,28 @@ def markdown(meta, cases, mlp, goals) -> str:
             cells.append("" if floor is None else f"{floor * 1e3:.1f}")
             cells.append("" if None in (best, floor) else f"{best / floor:.2f}x")
         lines.append(f"| {case.projection} | {case.routing} | {case.rows} | " + " | ".join(cells) + " |")
+    anchored = [impl for impl in OURS if impl in impls]
+    if "dense_anchor" in impls and anchored:  # (results from before the anchor have none: the page they had)
+        lines += [
+            "",
+            "## Of anchor",
+            "",
+            "dense_anchor: the same FLOPs as one plain XLA matmul (cuBLAS) `[M, K] x [K, N]`, bf16 operands and "
+            "output, float32 accumulation, no experts, timed as the other JAX rows (same x rotation, its weight "
+            f"alternating between {ANCHOR_COPIES} copies). of anchor: each kernel's TFLOP/s over the anchor's "
+            "(the anchor's time over the kernel's) in the same run.",
+            "",
+            "| projection | routing | M | dense_anchor TFLOP/s | " + " | ".join(f"{i} of anchor" for i in anchored)
+            + " |",
+            "|---|---|---:|---:|" + "---:|" * len(anchored),
+        ]
+        for case in cases:
+            anchor = case.results.get("dense_anchor", {}).get("ms")
+            cells = ["" if anchor is None else f"{flops(case) / (anchor * 1e-3) / 1e12:.0f}"]
+            for impl in anchored:
+                ms = case.results.get(impl, {}).get("ms")
+                cells.append("" if None in (anchor, ms) else f"{anchor / ms:.2f}")
+            lines.append(f"| {case.projection} | {case.routing} | {case.rows} | " + " | ".join(cells) + " |")
     if mlp is None:
         lines += ["", "Full NVFP4 expert MLP: not measured in this run."]
     else:
@@ -541,7 +597,7 @@ def plot(cases, path):
             pts = [(c.rows, flops(c) / (c.results[impl]["ms"] * 1e-3) / 1e12) for c in sel
                    if "ms" in c.results.get(impl, {})]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts), marker="o", ls=":" if impl == "dense_anchor" else "-", label=impl)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{projection} ({routing} routing)")
@@ -615,8 +671,8 @@ def capability(device) -> int:
 
 
 TIMING = ("median of {runs} runs after a warm-up; each run rotates over 4 input sets (M<=2048) or 2 (larger; "
-          "jax.lax.ragged_dot: 1 at M>=8192), {weights}; JAX: CUPTI kernel time, "
-          "torch: CUDA events")
+          "jax.lax.ragged_dot: 1 at M>=8192), {weights} (the dense anchor's [K, N] weight: 2 copies); JAX: CUPTI "
+          "kernel time, torch: CUDA events")
 
 
 def write_results(out: pathlib.Path, meta: dict, cases: list[Case], mlp: dict | None, mgpu_sweeps, tile_table):

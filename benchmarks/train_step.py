@@ -11,6 +11,12 @@ expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and
   SwiGLU MLP on the same bf16 weights and group offsets (torch's own derivative formulas, which
   are ``_grouped_mm`` calls on transposed operands; NVFP4 configurations give torch the
   dequantized weights in bf16, dX only);
+* **dense anchor** (``anchors`` in the JSON): the step's FLOPs as plain XLA matmuls (cuBLAS),
+  the expert MLP for one dense expert that gets all M rows (``[M, H] x [H, 2F]``, SwiGLU,
+  ``[M, F] x [F, H]``, bf16 operands, float32 accumulation) and its VJP, grads with respect to
+  ``x`` and both weights (beside the bf16 rows) or ``x`` only (beside the frozen NVFP4 rows),
+  once per rows and gradients, timed as the JAX rows; each step row's ``of_anchor`` is its
+  TFLOP/s over its anchor's (issue 31's "dense cuBLAS on the same FLOPs, in the same run");
 * **gemm**: each grouped GEMM alone, both projections (gate_up N=2F=4096 K=H=7168; down
   N=H=7168 K=F=2048): the forward ``grouped_matmul``, its ``grouped_matmul_input_grad`` (dX)
   and ``grouped_matmul_weight_grad`` (dW, bf16 out), and torch's ``_grouped_mm`` doing the same
@@ -35,8 +41,9 @@ time over calls); torch with ``grouped_gemm.time_torch`` (CUDA events, median of
 ``--torch-runs`` calls after a warm-up). CUPTI (``grouped_gemm.time_jax``) is not used: it keeps
 every call's outputs alive until the end, and dW outputs are GBs.
 
-Order: every ``pallas`` and torch row (each configuration's step, then its GEMMs) first, then
-the ``xla`` steps (the reference: until ``moe_jax.expert_gemm.grouped_matmul`` replaced
+Order: every configuration's dense anchor (where its rows and gradients have none yet), then
+its ``pallas`` and torch rows (the step, then its GEMMs), first; then the ``xla`` steps (the
+reference: until ``moe_jax.expert_gemm.grouped_matmul`` replaced
 ``ragged_dot``, which XLA expanded densely over the experts, about 0.5 s a step at 32768 rows;
 ``--xla-rows`` limits them), then
 the layer. ``--budget-s`` starts nothing new past its time and records what it skipped.
@@ -212,6 +219,31 @@ def dense_mlp(x, weights, layout):
     a_ecf = swiglu(h_ecg).astype(jnp.bfloat16)
     y_ech = jnp.einsum("ecf,ehf->ech", a_ecf, dense_bf16(weights["w_down_ehf"]), preferred_element_type=jnp.float32)
     return from_padded(y_ech, layout).astype(jnp.bfloat16)
+
+
+def anchor_mlp(x, w_gu_hg, w_d_fh):
+    """The dense anchor's MLP: the expert MLP for one dense expert that gets all M rows, as plain
+    XLA matmuls (cuBLAS): ``[M, H] x [H, 2F]``, SwiGLU, ``[M, F] x [F, H]``; bf16 operands and
+    outputs, float32 accumulation (XLA:GPU's bf16 GEMMs), the SwiGLU in float32 rounded to bf16."""
+    from moe_jax.expert_gemm import swiglu  # noqa: PLC0415
+
+    h_mg = jnp.dot(x, w_gu_hg)
+    a_mf = swiglu(h_mg.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.dot(a_mf, w_d_fh)
+
+
+def anchor_step(wrt_weights: bool):
+    """``step(x, w_gu_hg, w_d_fh, dy)``: :func:`anchor_mlp` and its VJP at ``dy`` (dX, and dW of
+    both matrices when ``wrt_weights``): the step's FLOPs (:func:`step_flops`) with no experts."""
+    def step(x, w_gu_hg, w_d_fh, dy):
+        if wrt_weights:
+            y, pull = jax.vjp(anchor_mlp, x, w_gu_hg, w_d_fh)
+            dx, dw_gu, dw_d = pull(dy)
+            return {"y": y, "dx": dx, "dw_gate_up": dw_gu, "dw_down": dw_d}
+        y, pull = jax.vjp(lambda x: anchor_mlp(x, w_gu_hg, w_d_fh), x)
+        (dx,) = pull(dy)
+        return {"y": y, "dx": dx}
+    return step
 
 
 def reference_gemm(op: str):
@@ -430,6 +462,57 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
             failed(row, err)
         say(row, f"step torch {case.tag}")
     return _tflops(out)
+
+
+ANCHOR_IMPL = "dense anchor (XLA)"
+
+
+def anchor_grads(fmt: str) -> str:
+    return "x, w" if fmt == "bf16" else "x (frozen weights)"
+
+
+def anchor_row(case: Case, shape: dict, ctx: Context) -> dict:
+    """The dense anchor at this configuration's rows: :func:`anchor_step` (grads with respect to
+    x and the weights for bf16 configurations, x only for the frozen NVFP4 ones) on one dense
+    expert's bf16 weights, timed as the JAX rows are. Not compared with anything (it is not the
+    experts' computation, only their FLOPs); its outputs are checked to be finite."""
+    wrt = case.fmt == "bf16"
+    h, f = shape["hidden"], shape["intermediate"]
+    row = {"kind": "anchor", "impl": ANCHOR_IMPL, "rows": case.rows, "grads": anchor_grads(case.fmt),
+           "flops": step_flops(shape, case.rows, wrt),
+           "what": f"[M, {h}] x [{h}, {2 * f}], SwiGLU, [M, {f}] x [{f}, {h}] and the VJP (grads "
+                   f"{anchor_grads(case.fmt)}); bf16 operands, float32 accumulation, one dense expert"}
+    try:
+        key = jax.random.key(4242)
+        w_gu = (jax.random.normal(key, (h, 2 * f), jnp.float32) / math.sqrt(h)).astype(jnp.bfloat16)
+        w_d = (jax.random.normal(jax.random.fold_in(key, 1), (f, h), jnp.float32) / math.sqrt(f)).astype(jnp.bfloat16)
+        args = (case.x, w_gu, w_d, case.dy)
+        fn = cached(("anchor step", wrt), lambda: anchor_step(wrt))
+        result, row["compile_s"] = compile_and_run(fn, args)
+        bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
+        del result
+        if bad:
+            raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")
+        seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.iters, windows=ctx.windows)
+        row["ms"] = seconds * 1e3
+    except Exception as err:  # noqa: BLE001
+        failed(row, err)
+    say(row, f"{ANCHOR_IMPL} grads {row['grads']} M={case.rows}")
+    return _tflops([row])[0]
+
+
+def anchor_for(data: dict, row: dict) -> dict | None:
+    """The anchor row of a step row (same rows, same gradients), or None (older results have none)."""
+    return next((a for a in data.get("anchors", []) if a["rows"] == row["rows"] and a["grads"] == row["grads"]), None)
+
+
+def of_anchor(data: dict) -> None:
+    """Each step row's ``of_anchor``: its TFLOP/s over its anchor's (equal FLOPs: the anchor's
+    time over the row's), where both were timed."""
+    for row in data["steps"]:
+        anchor = anchor_for(data, row)
+        if anchor is not None and "ms" in anchor and "ms" in row:
+            row["of_anchor"] = anchor["ms"] / row["ms"]
 
 
 def xla_step_row(case: Case, shape: dict, ctx: Context, plans: dict, pallas_row: dict | None) -> dict:
@@ -695,20 +778,40 @@ def markdown(data: dict) -> str:
         "vs xla: the same against `xla`'s outputs. TFLOP/s counts the model's products "
         "(6 M H F forward, as much again for dX and for dW).",
         "",
-        "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | err | vs xla | torch / this | note |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
-    order = {"pallas": 0, "triton": 1, "torch": 2, "xla": 3}
-    steps = sorted(data["steps"], key=lambda r: (r["weights"] != "bf16", r["routing"] != "uniform", r["rows"],
-                                                  order.get(r["impl"], 4)))
+    anchors = data.get("anchors", [])  # (results from before the anchor have none: the page they had)
+    if anchors:
+        lines[-2] += (
+            f" {ANCHOR_IMPL}: the same FLOPs as plain XLA matmuls (cuBLAS) for one dense expert that gets all "
+            "M rows (`[M, H] x [H, 2F]`, SwiGLU, `[M, F] x [F, H]` and the VJP: grads with respect to x and "
+            "both weights beside the bf16 rows, x only beside the frozen NVFP4 rows; bf16 operands, float32 "
+            "accumulation), timed as the JAX rows are; of anchor: this row's TFLOP/s over it.")
+        lines += [
+            "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | of anchor | err | vs xla | torch / this "
+            "| note |",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+    else:
+        lines += [
+            "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | err | vs xla | torch / this | note |",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
+        ]
+    order = {ANCHOR_IMPL: -1, "pallas": 0, "triton": 1, "torch": 2, "xla": 3}
+    # Each anchor once, first among the configurations with its rows and gradients (uniform routing).
+    listed = [*data["steps"], *({**a, "weights": "bf16 (dense)", "routing": "-"} for a in anchors)]
+    steps = sorted(listed, key=lambda r: (r["grads"] != "x, w", r["routing"] not in ("uniform", "-"), r["rows"],
+                                          order.get(r["impl"], 4)))
     for row in steps:
         peer = next((t for t in data["steps"] if t["impl"] == "torch" and all(
             t[f] == row[f] for f in ("weights", "grads", "routing", "rows"))), None)
         ratio = peer["ms"] / row["ms"] if peer and "ms" in peer and "ms" in row and row["impl"] != "torch" else None
-        lines.append(
-            f"| {row['weights']} | {row['grads']} | {row['routing']} | {row['rows']} | {row['impl']} | "
-            f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tflops'), '.0f')} | {_num(row.get('err'), '.1e')} | "
-            f"{_num(row.get('err_vs_xla'), '.1e')} | {_num(ratio, '.2f')} | {_note(row)} |")
+        cells = [row["weights"], row["grads"], row["routing"], row["rows"], row["impl"], _num(row.get("ms"), ".3f"),
+                 _num(row.get("tflops"), ".0f")]
+        if anchors:
+            anchor = anchor_for(data, row)
+            cells.append(_num(anchor["ms"] / row["ms"] if anchor and "ms" in anchor and "ms" in row else None, ".2f"))
+        cells += [_num(row.get("err"), ".1e"), _num(row.get("err_vs_xla"), ".1e"), _num(ratio, ".2f"), _note(row)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += [
         "",
         "## Grouped GEMMs alone",
@@ -761,8 +864,11 @@ def plot(data: dict, path: pathlib.Path) -> None:
         if "tflops" in row:
             label = f"{row['impl']} {row['weights']} {row['routing']}"
             series.setdefault(label, []).append((row["rows"], row["tflops"]))
+    for row in data.get("anchors", []):
+        if "tflops" in row:
+            series.setdefault(f"{ANCHOR_IMPL} grads {row['grads']}", []).append((row["rows"], row["tflops"]))
     for label, pts in series.items():
-        ax1.plot(*zip(*sorted(pts)), marker="o", label=label)
+        ax1.plot(*zip(*sorted(pts)), marker="o", ls=":" if label.startswith(ANCHOR_IMPL) else "-", label=label)
     ax1.set_title("expert MLP step (forward + backward)")
     ax1.set_ylabel("model TFLOP/s")
     series = {}
@@ -790,6 +896,7 @@ def plot(data: dict, path: pathlib.Path) -> None:
 
 def write(out: pathlib.Path, data: dict, *, with_plot: bool) -> str:
     data["targets"] = targets(data)
+    of_anchor(data)
     (out / "train_step.json").write_text(json.dumps(data, indent=1, default=str))
     table = markdown(data)
     (out / "train_step.md").write_text(table)
@@ -927,7 +1034,7 @@ def main(argv=None):
                                               for k, v in vars(args).items()},
             "skipped": [], "group_sizes": {},
         },
-        "steps": [], "gemms": [], "layers": [], "targets": [],
+        "steps": [], "gemms": [], "layers": [], "targets": [], "anchors": [],
     }
     save = lambda: write(args.out, data, with_plot=False)  # noqa: E731
     print(f"{data['meta']['device']}, commit {commit}, {data['meta']['versions']}", flush=True)
@@ -968,6 +1075,8 @@ def main(argv=None):
                 case = make_case(fmt, weights, rows, routing)
                 print(f"{case.tag} (active experts {case.keys['active_experts']}, largest group "
                       f"{case.keys['max_group']}) at {time.time() - started:.0f}s", flush=True)
+                if not any(a["rows"] == rows and a["grads"] == anchor_grads(fmt) for a in data["anchors"]):
+                    data["anchors"].append(anchor_row(case, shape, ctx))
                 data["steps"] += step_rows(case, shape, ctx, plans[fmt])
                 save()
                 if not args.skip_gemms:

@@ -72,6 +72,18 @@ def test_smoke_steps_and_gemms(tmp_path):
     assert [(r["projection"], r["weights"], r["op"]) for r in data["gemms"]] == [
         *((p, "bf16", op) for p in ("gate_up", "down") for op in ("forward", "input_grad", "weight_grad")),
         *((p, "nvfp4", op) for p in ("gate_up", "down") for op in ("forward", "input_grad"))]
+    # The dense anchor: once per rows and gradients, timed; each step row's TFLOP/s over it.
+    anchors = data["anchors"]
+    assert [(a["impl"], a["grads"], a["rows"]) for a in anchors] == [
+        ("dense anchor (XLA)", "x, w", 64), ("dense anchor (XLA)", "x (frozen weights)", 64)]
+    for anchor in anchors:
+        assert "error" not in anchor and math.isfinite(anchor["ms"]) and anchor["ms"] > 0, anchor
+        assert anchor["flops"] == next(r["flops"] for r in data["steps"] if r["grads"] == anchor["grads"])
+    for row in data["steps"]:
+        anchor = next(a for a in anchors if a["grads"] == row["grads"])
+        assert row["of_anchor"] == pytest.approx(anchor["ms"] / row["ms"]), row
+    page = (tmp_path / "train_step.md").read_text()
+    assert "| TFLOP/s | of anchor |" in page and "| dense anchor (XLA) |" in page
     # Both targets are evaluated for every configuration (torch's ratio is None without torch).
     backward = [g for g in data["targets"] if g["target"].startswith("backward GEMM")]
     assert len(backward) == 6 and all(g["value"] > 0 and g["goal"] == 0.9 for g in backward)
@@ -123,3 +135,15 @@ def test_commit_comes_from_the_flag_then_the_environment(monkeypatch):
     assert bench.provenance(None) == ("envsha", "0")
     monkeypatch.delenv("GIT_DIRTY")
     assert bench.provenance(None) == ("envsha", "unknown")
+
+
+def test_results_from_before_the_anchor_render_as_they_did():
+    """A results JSON without the dense anchor renders the page it was committed with (no
+    "of anchor" column)."""
+    bench = _load()
+    folder = ROOT / "benchmarks" / "results" / "train_step_h200"
+    data = json.loads((folder / "train_step.json").read_text())
+    assert "anchors" not in data
+    page = bench.markdown(data)
+    assert page == (folder / "train_step.md").read_text()
+    assert "of anchor" not in page

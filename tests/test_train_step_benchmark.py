@@ -141,9 +141,13 @@ def test_results_from_before_the_anchor_render_as_they_did():
     """A results JSON without the dense anchor renders the page it was committed with (no
     "of anchor" column)."""
     bench = _load()
-    folder = ROOT / "benchmarks" / "results" / "train_step_h200"
-    data = json.loads((folder / "train_step.json").read_text())
+    results = ROOT / "benchmarks" / "results" / "train_step_h200"
+    old = results / "9636c45"  # the run before the anchor
+    data = json.loads((old / "train_step.json").read_text())
     assert "anchors" not in data
     page = bench.markdown(data)
-    assert page == (folder / "train_step.md").read_text()
+    assert page == (old / "train_step.md").read_text()
     assert "of anchor" not in page
+    # The headline run has it, and its page is what the script renders.
+    data = json.loads((results / "train_step.json").read_text())
+    assert data["anchors"] and bench.markdown(data) == (results / "train_step.md").read_text()

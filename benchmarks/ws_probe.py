@@ -62,7 +62,8 @@ def main():
         import jax
         import jax.numpy as jnp
 
-        from pallas_kernels.grouped_matmul import triton_lang, triton_ws
+        from benchmarks import ws_probe_kernel as triton_ws
+        from pallas_kernels.grouped_matmul import triton_lang
         from pallas_kernels.grouped_matmul.tuning import Op
         import jax_triton  # noqa: F401  (registers nothing we need, but proves the carried wheel is there)
     except Exception as e:  # noqa: BLE001

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import interpreted
-from pallas_kernels.grouped_matmul import triton_ws
+from benchmarks import ws_probe_kernel as triton_ws
 from pallas_kernels.grouped_matmul.tuning import Op
 
 

@@ -1,4 +1,4 @@
-"""The warp-specialized bf16 candidate (``triton_ws.py``) cross-compiles for SM90 to a
+"""The warp-specialized bf16 candidate (``benchmarks/ws_probe_kernel.py``) cross-compiles for SM90 to a
 producer/consumer kernel (no GPU): 12 warps, ``setmaxnreg``, TMA, wgmma, within shared memory."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("triton")
-from pallas_kernels.grouped_matmul import triton_ws  # noqa: E402
+from benchmarks import ws_probe_kernel as triton_ws  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op  # noqa: E402
 
 

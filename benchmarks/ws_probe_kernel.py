@@ -1,7 +1,10 @@
 """Candidate: a warp-specialized (producer/consumer) bf16 grouped GEMM for SM90, triton 3.6.
 
-A probe, not a backend: nothing dispatches to it. ``benchmarks/ws_probe.py`` times it against
-``triton_lang.bf16_matmul`` on an H200.
+A probe, not a backend: it lives beside its benchmark, outside the library, and nothing dispatches
+to it. ``benchmarks/ws_probe.py`` times it against ``triton_lang.bf16_matmul`` on an H200; there
+(``benchmarks/results/ws_probe_h200/``) the variants with 64 extra rows per tile, and the fused
+128-row one, left rows unwritten: a defect not seen in the interpreter, which runs the loop
+unspecialized (benchmarks/NOTES.md, "Prefill at 384 experts", 2026-12-04).
 
 What triton 3.6's Hopper warp specialization (``NVGPUWarpSpecialization``, run for capability
 9x in ``make_ttgir`` as ``add_hopper_warpspec``) takes, found by cross-compiling small kernels:
@@ -59,18 +62,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pallas_kernels.grouped_matmul import pallas_triton
+from pallas_kernels.grouped_matmul.triton_lang import _program_tile  # noqa: F401 (called by the kernel)
 from pallas_kernels.grouped_matmul.tuning import Op
-
-
-@triton.jit
-def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP_T: tl.constexpr):
-    """As ``triton_lang._program_tile``: ``GROUP_T`` row tiles per column tile, back to back."""
-    per_group: tl.constexpr = GROUP_T * NUM_COLUMN_TILES
-    pid = tl.program_id(0)
-    first_t = (pid // per_group) * GROUP_T
-    rows_here = tl.minimum(NUM_TILES - first_t, GROUP_T)
-    local = pid % per_group
-    return first_t + local % rows_here, local // rows_here
 
 
 @triton.jit

@@ -282,6 +282,7 @@ def test_w4a4_reference_gradients_pass_the_rounding_straight_through(rng):
         assert np.isfinite(w4a4).all() and relative(w4a4, w4a16) < 0.25
 
 
+@pytest.mark.slow  # 21 s in the suite: five W4A4-reference layers compiled
 def test_expert_parallel_w4a4_reference_equals_one_device(rng, cpu_devices):
     """Each device quantizes its experts' rows against its experts' scales: with scales that
     differ by expert (half of them 4x too small), any mix-up would change the output."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from harness import exchanges_that_run, xla_flags
 
 import sharding
@@ -60,6 +61,8 @@ def free_port():
         return s.getsockname()[1]
 
 
+# 35 s in the suite (three processes compiling the layer for each exchange): collected first.
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path: Path, rng, cpu_devices):
     params = quantize_params(init_params(dataclasses.replace(CONFIG, weight_format="bf16"),
                                          jax.random.key(int(rng.integers(1 << 30)))))

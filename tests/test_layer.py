@@ -72,7 +72,7 @@ def test_all_tokens_on_one_expert_and_empty_experts(rng):
     config = MoEConfig.kimi_k2(**TINY, top_k=1, weight_format="nvfp4")
     params, x = make(config, rng, tokens=33)
     params["router"]["bias_e"] = jnp.zeros(8).at[5].set(100.0)  # selection only: weight stays sigmoid
-    y, stats = moe_forward(params, x, resolve(config))
+    y, stats = FORWARD(params, x, resolve(config))
     np.testing.assert_array_equal(stats["tokens_per_expert"], [0] * 5 + [33] + [0] * 2)
     ref = reference_forward(params, np.asarray(x, np.float64), config)
     assert rel_err(y, ref) < 1e-2
@@ -103,7 +103,7 @@ def test_a_non_finite_token_changes_no_other_token(rng, poison, weight_format):
 def test_capacity_drops_are_counted(rng):
     config = dataclasses.replace(CONFIGS["kimi"], capacity_factor=0.5)
     params, x = make(config, rng, tokens=30)
-    _, stats = moe_forward(params, x, resolve(config))
+    _, stats = FORWARD(params, x, resolve(config))
     assert int(stats["dropped"]) == 30 * 4 - math.ceil(0.5 * 30 * 4)
 
 
@@ -155,8 +155,8 @@ def test_gradients_match_a_dense_formulation(rng):
     # formulations sum different products and one gradient element differed by 8e-2 relative
     # on an H200. XLA:CPU computes float32 matmuls in float32 either way.
     with jax.default_matmul_precision("highest"):
-        grads = jax.grad(loss(lambda p, x: moe_forward(p, x, plan)[0]), argnums=(0, 1))(params, x)
-        ref = jax.grad(loss(lambda p, x: dense_forward(p, x, config)), argnums=(0, 1))(params, x)
+        grads = jax.jit(jax.grad(loss(lambda p, x: moe_forward(p, x, plan)[0]), argnums=(0, 1)))(params, x)
+        ref = jax.jit(jax.grad(loss(lambda p, x: dense_forward(p, x, config)), argnums=(0, 1)))(params, x)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * float(np.abs(want).max()))
@@ -167,7 +167,7 @@ def test_nnx_module_jit_and_grad(rng):
     layer = moe_jax.MoE(config, rngs=nnx.Rngs(int(rng.integers(1 << 30))), training=True)
     x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
     y, stats = nnx.jit(lambda m, x: m(x))(layer, x)
-    y_fn, _ = moe_forward(layer.params(), x, layer.plan)
+    y_fn, _ = FORWARD(layer.params(), x, layer.plan)
     np.testing.assert_array_equal(y, y_fn)
     assert set(stats) == {"tokens_per_expert", "load_balance_loss", "router_z_loss", "dropped", "nonfinite_tokens", "rows_sent"}
 
@@ -175,7 +175,7 @@ def test_nnx_module_jit_and_grad(rng):
         y, stats = m(x)
         return jnp.mean(y.astype(jnp.float32) ** 2) + 0.01 * stats["load_balance_loss"]
 
-    grads = nnx.grad(loss)(layer, x)
+    grads = nnx.jit(nnx.grad(loss))(layer, x)
     leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
     assert len(leaves) == 5 and all(np.isfinite(np.asarray(g, np.float32)).all() for g in leaves)
     assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
@@ -186,7 +186,7 @@ def test_nnx_module_with_nvfp4_weights_keeps_them_out_of_the_gradient(rng):
     layer = moe_jax.MoE(config, rngs=nnx.Rngs(0), training=True)
     assert isinstance(layer.w_gate_up_egh.packed, moe_jax.module.QuantizedWeight)
     x = jnp.asarray(rng.standard_normal((10, 64)), jnp.bfloat16)
-    grads = nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32)))(layer, x)
+    grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32))))(layer, x)
     names = {str(path[0]) for path, _ in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
     assert names == {"router_w_eh"}  # the shared expert is NVFP4 too; the bias is a CorrectionBias
 
@@ -206,6 +206,6 @@ def test_nnx_module_on_an_expert_parallel_mesh(rng, cpu_devices):
     # product), so near-tied experts are chosen as on the CPU and the counts below match exactly.
     with jax.default_matmul_precision("highest"):
         y, stats = nnx.jit(lambda m, x: m(x))(sharded, x)
-        y1, stats1 = single(x)
+        y1, stats1 = nnx.jit(lambda m, x: m(x))(single, x)
     np.testing.assert_array_equal(stats["tokens_per_expert"], stats1["tokens_per_expert"])
     assert rel_err(y, np.asarray(y1, np.float64)) < 5e-3

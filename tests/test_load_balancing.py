@@ -185,7 +185,7 @@ def test_the_bias_update_balances_a_skewed_router(rng, cpu_devices, mesh_name):
 def test_update_load_balance_needs_a_correction_bias():
     config = CONFIGS["softmax"]
     layer = moe_jax.MoE(config, rngs=nnx.Rngs(0), training=True)
-    _, stats = layer(jnp.ones((4, H)))
+    _, stats = nnx.jit(lambda m, x: m(x))(layer, jnp.ones((4, H)))  # jitted: eagerly, each op compiles alone
     expected = r"^update_load_balance: this layer has no correction bias \(config.router_bias = False\); "
     with pytest.raises(ValueError, match=expected):
         layer.update_load_balance(stats, 1e-3)
@@ -193,7 +193,7 @@ def test_update_load_balance_needs_a_correction_bias():
 
 def test_update_load_balance_rejects_bad_arguments():
     layer = moe_jax.MoE(CONFIGS["sigmoid_bias"], rngs=nnx.Rngs(0), training=True)
-    _, stats = layer(jnp.ones((4, H)))
+    _, stats = nnx.jit(lambda m, x: m(x))(layer, jnp.ones((4, H)))
     for bad in (0.0, -1e-3, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"^rate: .*, expected a finite number > 0$"):
             layer.update_load_balance(stats, bad)

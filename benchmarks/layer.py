@@ -52,10 +52,10 @@ from benchmarks.expert_parallel import timed  # noqa: E402
 from benchmarks.grouped_gemm import copy_bandwidth  # noqa: E402
 
 #: (label, weight format, expert_gemm) measured for every token count.
-#: The ``xla`` rows' peak memory at 8192 tokens (65536 rows, 384 experts), from XLA's buffer
-#: assignment of the expert stage (``benchmarks/xla_path.py --memory``): bf16 34.8 GB of
-#: arguments + 7.9 GB of temporaries; NVFP4 10.5 + 41.2 GB (every expert dequantized to bf16 each
-#: call): well within 141 GB (benchmarks/NOTES.md, "The xla path").
+#: The ``xla`` rows' memory at 8192 tokens (65536 rows, 384 experts), from XLA's buffer
+#: assignment of the whole layer on one H200 (``results/layer_h200/layer.md``, "Memory"): bf16
+#: 34.0 + 6.2 GB of arguments and temporaries, NVFP4 9.7 + 28.0 GB (every expert
+#: dequantized to bf16 each call): well within the 112.6 GB the allocator may hold.
 IMPLEMENTATIONS = (("nvfp4 triton", "nvfp4", "triton"), ("nvfp4 pallas", "nvfp4", "pallas"),
                    ("nvfp4 xla", "nvfp4", "xla"), ("bf16 triton", "bf16", "triton"), ("bf16 pallas", "bf16", "pallas"),
                    ("bf16 xla", "bf16", "xla"))

@@ -1,0 +1,45 @@
+"""The Gluon W4A16 candidates (``benchmarks/gluon_probe_kernel.py``) cross-compile for SM90 (no GPU)
+to what they were written to be: each K step's MMAs issued back to back and left in flight
+(one ``wgmma.wait_group`` per step that keeps the step's own groups outstanding), the register
+operand kept (swap-AB kernel) or both operands in shared memory (the ``ss`` kernel, m64n256),
+within the SM's shared memory and without register spills."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+from benchmarks import gluon_probe_kernel as gk  # noqa: E402
+from pallas_kernels.crosscompile import _compiled  # noqa: E402
+from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op  # noqa: E402
+
+SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
+
+
+def _facts(kernel):
+    compiled = _compiled(kernel, "gluon_probe", 90, False)
+    ptx = compiled.ptx
+    return compiled, sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)}), ptx
+
+
+def test_swap_ab_candidate_keeps_a_step_in_flight():
+    k, n_out = SHAPES[Op.GATE_UP_SWIGLU]
+    spec = gk.GluonSpec(op=Op.GATE_UP_SWIGLU, num_rows=65536, num_experts=384, k=k, n_out=n_out, block_k=128,
+                        num_stages=3)
+    compiled, waits, ptx = _facts(gk.compile_kernel(spec))
+    # 1: the 64- or 128-row step in flight; 2: the 128 + 64-row step's two groups; 0: the last.
+    assert waits == [0, 1, 2], waits
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)  # A: registers
+    assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
+def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
+    k, n_out = SHAPES[op]
+    spec = gk.SsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out)
+    compiled, waits, ptx = _facts(gk.compile_ss(spec))
+    assert waits == [0, 1, 2], waits
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd", ptx)
+    assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]

@@ -12,6 +12,7 @@ Usage::
 
     python benchmarks/native_sweep.py --out DIR [--rows 256 2048 65536] [--runs 20]
     python benchmarks/native_sweep.py --out DIR --one-group --rows 32 256 1024
+    python benchmarks/native_sweep.py --out DIR --mid --rows 8192 12288
     python benchmarks/native_sweep.py --out DIR --input-grad --rows 8192 32768
 """
 
@@ -59,6 +60,15 @@ CANDIDATES = {
                      prefill_tile(64, 128, 64, 4, 3, extra_m=64), prefill_tile(64, 128, 64, 4, 4, extra_m=64),
                      prefill_tile(64, 128, 64, 4, 3, extra_m=64, tail_m=32)],
 }
+# Between decode and prefill (``--mid``: 16-32 rows per expert, Kimi K2 at 1024-1536 tokens on one
+# GPU): the decode tile takes two 16-row tiles per expert, so each weight tile is dequantized twice;
+# one 32-row tile per expert dequantizes it once and its MMA is 32 rows wide, not 64 or 128.
+MID_CANDIDATES = {
+    G: [decode_tile(32, 64, 256, 4, 4), decode_tile(32, 64, 128, 4, 4), decode_tile(32, 128, 128, 4, 3),
+        decode_tile(32, 32, 256, 4, 4), prefill_tile(32, 64, 256, 4, 4)],
+    M: [decode_tile(32, 64, 256, 4, 3), decode_tile(32, 128, 256, 4, 3), decode_tile(32, 128, 128, 4, 4),
+        decode_tile(32, 64, 128, 4, 4), prefill_tile(32, 128, 256, 4, 3)],
+}
 
 
 # One group holding every row (Kimi K2's shared expert, intermediate 2048 like a routed one);
@@ -83,7 +93,7 @@ def kimi_weights(experts: int = EXPERTS):
             M: nvfp4.random(jax.random.key(2), (experts, HIDDEN, INTERMEDIATE))}
 
 
-def sweep(weights, rows, candidates, *, runs: int):
+def sweep(weights, rows, candidates, *, runs: int, mid: bool = False):
     """Times each candidate tile (``candidates[(variant, op)]``; None: the kernel's own choice) at
     each row count, after checking its output against the Pallas kernel's; yields the records."""
     cc = 90
@@ -98,7 +108,7 @@ def sweep(weights, rows, candidates, *, runs: int):
             xs = [jax.random.normal(jax.random.key(10 * m + i), (m, k), jnp.bfloat16) for i in range(2)]
             ref = np.asarray(pallas_run(op, xs[0], w, g, compute_capability=cc), np.float32)
             bytes_ = touched * n_w * (k // 2 + k // 16)
-            for tile in candidates[(variant, op)]:
+            for tile in candidates[(variant, op)] + (MID_CANDIDATES[op] if mid else []):
                 entry = {"op": op.value, "rows": m, "tile": "own choice" if tile is None else dataclasses.asdict(tile),
                          "weight_bytes": bytes_}
                 fn = jax.jit(lambda x, w, g, tile=tile, op=op: triton_lang.run(op, x, w, g, compute_capability=cc, tile=tile))
@@ -163,6 +173,7 @@ def main() -> None:
                         help="one expert holding every row (a shared expert): ONE_GROUP_CANDIDATES at --rows")
     parser.add_argument("--input-grad", action="store_true",
                         help=f"the input-gradient kernel at {INPUT_GRAD_EXPERTS} experts: INPUT_GRAD_CANDIDATES at --rows")
+    parser.add_argument("--mid", action="store_true", help="also MID_CANDIDATES (32-row tiles) at --rows")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth(args.runs)
@@ -177,7 +188,7 @@ def main() -> None:
         else:
             weights, candidates = kimi_weights(), CANDIDATES
         name = "one_group_sweep.json" if args.one_group else "native_sweep.json"
-        entries = sweep(weights, args.rows, candidates, runs=args.runs)
+        entries = sweep(weights, args.rows, candidates, runs=args.runs, mid=args.mid)
     for entry in entries:
         results["rows"].append(entry)
         (args.out / name).write_text(json.dumps(results, indent=1))

@@ -73,14 +73,25 @@ def _program_tile(NUM_TILES: gl.constexpr, NUM_COLUMN_TILES: gl.constexpr, GROUP
 
 
 @gluon.jit
+def _scales_per_word(scales_rb, R: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr,
+                     TRIVIAL: gl.constexpr):
+    """uint8 ``[R, BK/16]`` E4M3 bits -> bf16 ``[R, BK/8]`` ``scale * 2**119``, one per packed word
+    (two words per block scale), in ``WORDS`` (``TRIVIAL``: asserted a free conversion).
+    ``triton_lang._dequantize_w4a16``'s placement, restated because a Gluon kernel cannot call a
+    ``triton.jit`` function."""
+    bits = scales_rb.to(gl.uint16)
+    placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(gl.bfloat16, bitcast=True)
+    scale_rb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
+    return gl.convert_layout(gl.reshape(gl.join(scale_rb, scale_rb), (R, BLOCK_K // 8)), WORDS,
+                             assert_trivial=TRIVIAL)
+
+
+@gluon.jit
 def _dequantize(words_rw, scales_rb, R: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr,
                 A_LAYOUT: gl.constexpr):
     """``triton_lang._dequantize_w4a16`` with explicit layouts: int32 ``[R, BK/8]`` words in
     ``WORDS`` and uint8 ``[R, BK/16]`` E4M3 bits -> bf16 ``[R, BK]`` in the MMA's A layout."""
-    bits = scales_rb.to(gl.uint16)
-    placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(gl.bfloat16, bitcast=True)
-    scale_rb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
-    scale_rw = gl.convert_layout(gl.reshape(gl.join(scale_rb, scale_rb), (R, BLOCK_K // 8)), WORDS)
+    scale_rw = _scales_per_word(scales_rb, R, BLOCK_K, WORDS, False)
     o = gl.inline_asm_elementwise(triton_lang._WORD_TO_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words_rw, scale_rw],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     q = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
@@ -303,121 +314,6 @@ def layouts(*, r: int, block_k: int, block_n: int) -> dict:
                 PLAIN_SMEM=plain, STORE=store)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GluonSpec:
-    """Everything static about one launch (hashable: it keys the jit and compile caches)."""
-
-    op: Op
-    num_rows: int
-    num_experts: int
-    k: int
-    n_out: int
-    block_k: int = 128
-    num_stages: int = 3
-    group_t: int = 8
-    scale_groups: int = 1
-    out_k_order: int = 0
-    #: Timing ablations, wrong results: 1 no activation loads, 2 no dequantization.
-    ablate: int = 0
-
-    @property
-    def block_n(self) -> int:
-        return 64 if self.op is Op.GATE_UP_SWIGLU else 128
-
-    @property
-    def weight_rows(self) -> int:
-        return 2 * self.n_out if self.op is Op.GATE_UP_SWIGLU else self.n_out
-
-    @property
-    def max_tiles(self) -> int:
-        return pallas_triton.max_tiles(self.num_rows, self.num_experts, ROWS.value)
-
-    @property
-    def num_programs(self) -> int:
-        return self.max_tiles * (self.n_out // self.block_n)
-
-    def constexprs(self) -> dict:
-        r = 2 * self.block_n if self.op is Op.GATE_UP_SWIGLU else self.block_n
-        return dict(
-            K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups, FUSED=self.op is Op.GATE_UP_SWIGLU,
-            NUM_TILES=self.max_tiles, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-            GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages, OUT_K_ORDER=self.out_k_order, ABLATE=self.ablate,
-            **layouts(r=r, block_k=self.block_k, block_n=self.block_n))
-
-
-_POINTERS = {"tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "x_ptr": "*bf16",
-             "w_ptr": "*u8", "w_scale_ptr": "*u8", "w_global_ptr": "*fp32", "out_in_ptr": "*bf16",
-             "out_ptr": "*bf16"}
-
-
-def source(spec: GluonSpec):
-    return _source_of(_kernel, spec.constexprs())
-
-
-@functools.cache
-def compile_kernel(spec: GluonSpec, capability: int = 90):
-    from pallas_kernels.crosscompile import _triton_compile  # noqa: PLC0415
-
-    return _triton_compile(source(spec), capability, {"num_warps": NUM_WARPS.value, "num_stages": 1})
-
-
-# --- the launch: a primitive around triton.compile and jaxlib's triton_kernel_call ----------------
-
-_swap_ab_call_p = Primitive("moe_jax_gluon_w4a16_call")
-
-
-@_swap_ab_call_p.def_abstract_eval
-def _gluon_call_abstract(*avals, spec: GluonSpec):
-    del avals
-    return jax.core.ShapedArray((spec.num_rows, spec.n_out), jnp.bfloat16)
-
-
-def _gluon_call_lowering(ctx, *args, spec: GluonSpec):
-    from jax._src.lib import gpu_triton  # noqa: PLC0415 (CUDA plugin only)
-
-    kernel = compile_kernel(spec, 90)
-    meta = kernel.metadata
-    tk = gpu_triton.TritonKernel(meta.name, int(meta.num_warps), 1, int(meta.shared), kernel.asm["ptx"],
-                                 kernel.asm["ttir"] if "ttir" in kernel.asm else "", 90)
-    params = [gpu_triton.create_array_parameter(0, 16) for _ in range(len(_POINTERS))]
-    call = gpu_triton.TritonKernelCall(tk, spec.num_programs, 1, 1, params)
-    proto = call.to_proto(f"gluon_w4a16_{spec.op.value}", b"")
-    rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2, backend_config=zlib.compress(proto),
-                                operand_output_aliases={len(_POINTERS) - 2: 0})
-    return rule(ctx, *args)
-
-
-mlir.register_lowering(_swap_ab_call_p, _gluon_call_lowering, platform="cuda")
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def launch(spec: GluonSpec, group_sizes_e, x_mk, packed, scales_u8, global_scale_eg, out):
-    """bf16 ``[M, n_out]`` written into ``out`` (aliased); rows past ``sum(group_sizes_e)`` keep
-    its values. ``x_mk``'s columns in ``triton_lang.permute_k(x, spec.block_k)`` order."""
-    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS.value,
-                                            num_tiles=spec.max_tiles)
-    return _swap_ab_call_p.bind(*schedule, x_mk, packed, scales_u8, global_scale_eg, out, spec=spec)
-
-
-def w4a16_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, block_k: int = 128, num_stages: int = 3,
-                 permuted: bool = False, ablate: int = 0, group_t: int = 8) -> jax.Array:
-    """``triton_lang.run``'s W4A16 contract on SM90 (``x_mk`` in natural column order unless
-    ``permuted``), through this kernel."""
-    m, k = x_mk.shape
-    e, n_w, _ = w.packed.shape
-    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
-    g = w.global_scale.reshape(e, -1).astype(jnp.float32)
-    spec = GluonSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, block_k=block_k, num_stages=num_stages,
-                     scale_groups=g.shape[1], ablate=ablate, group_t=group_t)
-    if not permuted:
-        x_mk = triton_lang.permute_k(x_mk, block_k)
-    if out is None:
-        out = jnp.zeros((m, n_out), jnp.bfloat16)
-    return launch(spec, group_sizes_e, x_mk, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), g, out)
-
-
-
-
 # --- candidate 2: dequantized into shared memory, tokens on the MMA's M, 256 weight rows on N ----
 #
 # Each K step: every thread dequantizes words of the step's 256 x BLOCK_K weight tile (natural K
@@ -434,11 +330,7 @@ SS_N = gl.constexpr(256)
 def _dequantize_natural(words_rw, scales_rb, R: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr):
     """int32 ``[R, BK/8]`` words and uint8 ``[R, BK/16]`` E4M3 bits -> bf16 ``[R, BK]``
     (``value * scale * 2**-7``) in natural K order."""
-    bits = scales_rb.to(gl.uint16)
-    placed = (((bits & 0x7F) << 4) | ((bits & 0x80) << 8)).to(gl.bfloat16, bitcast=True)
-    scale_rb = placed * 1.7014118346046923e38 * 5.192296858534828e33  # 2**127, 2**112
-    scale_rw = gl.convert_layout(gl.reshape(gl.join(scale_rb, scale_rb), (R, BLOCK_K // 8)), WORDS,
-                                 assert_trivial=True)
+    scale_rw = _scales_per_word(scales_rb, R, BLOCK_K, WORDS, True)
     o = gl.inline_asm_elementwise(triton_lang._WORD_TO_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words_rw, scale_rw],
                                   dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
     # Output j holds element _OUTPUT_NIBBLE[j] = (0, 4, 1, 5, 2, 6, 3, 7)[j] of the word: element
@@ -620,23 +512,26 @@ def ss_layouts(*, block_k: int) -> dict:
                 W_SMEM=w_smem, PLAIN_SMEM=plain, STORE=store)
 
 
+# --- the launch: one spec per candidate, a primitive around triton.compile and jaxlib's ----------
+# --- triton_kernel_call ----------------------------------------------------------------------------
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SsSpec:
-    """One launch of :func:`_ss_kernel`."""
+class _Spec:
+    """Everything static about one launch (hashable: it keys the jit and compile caches)."""
 
     op: Op
     num_rows: int
     num_experts: int
     k: int
     n_out: int
-    block_k: int = 64
-    num_stages: int = 4
+    block_k: int
+    num_stages: int
     group_t: int = 8
     scale_groups: int = 1
 
     @property
-    def block_n(self) -> int:
-        return SS_N.value // 2 if self.op is Op.GATE_UP_SWIGLU else SS_N.value
+    def fused(self) -> bool:
+        return self.op is Op.GATE_UP_SWIGLU
 
     @property
     def max_tiles(self) -> int:
@@ -644,72 +539,128 @@ class SsSpec:
 
     @property
     def num_programs(self) -> int:
-        return self.max_tiles * (self.n_out // self.block_n)
+        return self.max_tiles * (self.n_out // self.block_n)  # block_n: output columns per tile, per candidate
 
     def constexprs(self) -> dict:
-        fused = self.op is Op.GATE_UP_SWIGLU
-        return dict(K=self.k, N_OUT=self.n_out, N_W=2 * self.n_out if fused else self.n_out, G=self.scale_groups,
-                    FUSED=fused, NUM_TILES=self.max_tiles, BLOCK_K=self.block_k,
-                    GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages,
-                    **ss_layouts(block_k=self.block_k))
+        """The constexprs both kernels take."""
+        return dict(K=self.k, N_OUT=self.n_out, N_W=2 * self.n_out if self.fused else self.n_out,
+                    G=self.scale_groups, FUSED=self.fused, NUM_TILES=self.max_tiles, BLOCK_K=self.block_k,
+                    GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages)
 
 
-def _source_of(fn, constexprs: dict):
-    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GluonSpec(_Spec):
+    """One launch of :func:`_kernel` (swap-AB)."""
 
-    signature = {**_POINTERS, **{name: "constexpr" for name in constexprs}}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in _POINTERS}
-    return GluonASTSource(fn=fn, signature=signature, attrs=aligned,
-                          constexprs={(fn.arg_names.index(a),): v for a, v in constexprs.items()})
+    block_k: int = 128
+    num_stages: int = 3
+    out_k_order: int = 0
+    #: Timing ablations, wrong results: 1 no activation loads, 2 no dequantization.
+    ablate: int = 0
+    kernel = _kernel
+
+    @property
+    def block_n(self) -> int:
+        return 64 if self.fused else 128
+
+    def constexprs(self) -> dict:
+        r = 2 * self.block_n if self.fused else self.block_n
+        return dict(super().constexprs(), BLOCK_N=self.block_n, OUT_K_ORDER=self.out_k_order, ABLATE=self.ablate,
+                    **layouts(r=r, block_k=self.block_k, block_n=self.block_n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SsSpec(_Spec):
+    """One launch of :func:`_ss_kernel`."""
+
+    block_k: int = 64
+    num_stages: int = 4
+    kernel = _ss_kernel
+
+    @property
+    def block_n(self) -> int:
+        return SS_N.value // 2 if self.fused else SS_N.value
+
+    def constexprs(self) -> dict:
+        return dict(super().constexprs(), **ss_layouts(block_k=self.block_k))
+
+
+_POINTERS = {"tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "x_ptr": "*bf16",
+             "w_ptr": "*u8", "w_scale_ptr": "*u8", "w_global_ptr": "*fp32", "out_in_ptr": "*bf16",
+             "out_ptr": "*bf16"}
 
 
 @functools.cache
-def compile_ss(spec: SsSpec, capability: int = 90):
+def compile_kernel(spec: _Spec, capability: int = 90):
+    """``triton.compile`` of ``spec``'s kernel for ``capability`` (no GPU needed)."""
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+
     from pallas_kernels.crosscompile import _triton_compile  # noqa: PLC0415
 
-    return _triton_compile(_source_of(_ss_kernel, spec.constexprs()), capability,
-                           {"num_warps": NUM_WARPS.value, "num_stages": 1})
+    fn, constexprs = spec.kernel, spec.constexprs()
+    signature = {**_POINTERS, **{name: "constexpr" for name in constexprs}}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in _POINTERS}
+    source = GluonASTSource(fn=fn, signature=signature, attrs=aligned,
+                            constexprs={(fn.arg_names.index(a),): v for a, v in constexprs.items()})
+    return _triton_compile(source, capability, {"num_warps": NUM_WARPS.value, "num_stages": 1})
 
 
-def _ss_call_lowering(ctx, *args, spec: SsSpec):
+_gluon_call_p = Primitive("moe_jax_gluon_w4a16_call")
+_gluon_call_p.def_abstract_eval(lambda *avals, spec: jax.core.ShapedArray((spec.num_rows, spec.n_out), jnp.bfloat16))
+
+
+def _gluon_call_lowering(ctx, *args, spec: _Spec):
     from jax._src.lib import gpu_triton  # noqa: PLC0415 (CUDA plugin only)
 
-    kernel = compile_ss(spec, 90)
+    kernel = compile_kernel(spec, 90)
     meta = kernel.metadata
+    # A Gluon module has no TTIR (it is written at the TTGIR level); jaxlib loads the PTX.
     tk = gpu_triton.TritonKernel(meta.name, int(meta.num_warps), 1, int(meta.shared), kernel.asm["ptx"], "", 90)
     params = [gpu_triton.create_array_parameter(0, 16) for _ in range(len(_POINTERS))]
     call = gpu_triton.TritonKernelCall(tk, spec.num_programs, 1, 1, params)
-    proto = call.to_proto(f"gluon_ss_w4a16_{spec.op.value}", b"")
+    proto = call.to_proto(f"gluon_{type(spec).__name__}_{spec.op.value}", b"")
     rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2, backend_config=zlib.compress(proto),
                                 operand_output_aliases={len(_POINTERS) - 2: 0})
     return rule(ctx, *args)
 
 
-_ss_call_p = Primitive("moe_jax_gluon_ss_w4a16_call")
-_ss_call_p.def_abstract_eval(lambda *avals, spec: jax.core.ShapedArray((spec.num_rows, spec.n_out), jnp.bfloat16))
-mlir.register_lowering(_ss_call_p, _ss_call_lowering, platform="cuda")
+mlir.register_lowering(_gluon_call_p, _gluon_call_lowering, platform="cuda")
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def launch_ss(spec: SsSpec, group_sizes_e, x_mk, packed, scales_u8, global_scale_eg, out):
+def launch(spec: _Spec, group_sizes_e, x_mk, packed, scales_u8, global_scale_eg, out):
+    """bf16 ``[M, n_out]`` written into ``out`` (aliased); rows past ``sum(group_sizes_e)`` keep
+    its values. ``x_mk``'s columns in ``triton_lang.permute_k(x, spec.block_k)`` order for
+    :class:`GluonSpec`, natural for :class:`SsSpec`."""
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS.value,
                                             num_tiles=spec.max_tiles)
-    return _ss_call_p.bind(*schedule, x_mk, packed, scales_u8, global_scale_eg, out, spec=spec)
+    return _gluon_call_p.bind(*schedule, x_mk, packed, scales_u8, global_scale_eg, out, spec=spec)
 
 
-def ss_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, block_k: int = 64, num_stages: int = 4,
-              group_t: int = 8) -> jax.Array:
-    """``triton_lang.run``'s W4A16 contract on SM90 through :func:`_ss_kernel` (x in natural order)."""
+def _matmul(spec_type, op: Op, x_mk, w, group_sizes_e, out, **tile) -> jax.Array:
     m, k = x_mk.shape
     e, n_w, _ = w.packed.shape
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
     g = w.global_scale.reshape(e, -1).astype(jnp.float32)
-    spec = SsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, block_k=block_k, num_stages=num_stages,
-                  group_t=group_t, scale_groups=g.shape[1])
+    spec = spec_type(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, scale_groups=g.shape[1], **tile)
     if out is None:
         out = jnp.zeros((m, n_out), jnp.bfloat16)
-    return launch_ss(spec, group_sizes_e, x_mk, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), g, out)
+    return launch(spec, group_sizes_e, x_mk, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), g, out)
 
 
-__all__ = ["GluonSpec", "ROWS", "SsSpec", "compile_kernel", "compile_ss", "launch", "launch_ss", "layouts", "source",
-           "ss_layouts", "ss_matmul", "w4a16_matmul"]
+def w4a16_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = False, **tile) -> jax.Array:
+    """``triton_lang.run``'s W4A16 contract on SM90 through :func:`_kernel` (``x_mk`` in natural
+    column order unless ``permuted``); ``tile``: :class:`GluonSpec`'s fields."""
+    if not permuted:
+        x_mk = triton_lang.permute_k(x_mk, tile.get("block_k", GluonSpec.block_k))
+    return _matmul(GluonSpec, op, x_mk, w, group_sizes_e, out, **tile)
+
+
+def ss_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, **tile) -> jax.Array:
+    """``triton_lang.run``'s W4A16 contract on SM90 through :func:`_ss_kernel` (x in natural order);
+    ``tile``: :class:`SsSpec`'s fields."""
+    return _matmul(SsSpec, op, x_mk, w, group_sizes_e, out, **tile)
+
+
+__all__ = ["GluonSpec", "ROWS", "SsSpec", "compile_kernel", "launch", "layouts", "ss_layouts", "ss_matmul",
+           "w4a16_matmul"]

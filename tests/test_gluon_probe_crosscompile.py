@@ -39,7 +39,7 @@ def test_swap_ab_candidate_keeps_a_step_in_flight():
 def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
     k, n_out = SHAPES[op]
     spec = gk.SsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out)
-    compiled, waits, ptx = _facts(gk.compile_ss(spec))
+    compiled, waits, ptx = _facts(gk.compile_kernel(spec))
     assert waits == [0, 1, 2], waits
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd", ptx)
     assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]

@@ -1,4 +1,4 @@
-"""One-GPU-call probe: the Gluon W4A16 candidate (``gluon_probe_kernel``) against the table kernel
+"""One-GPU-call probe: the Gluon W4A16 candidates (``gluon_probe_kernel``, ``gluon_ws_kernel``) against the table kernel
 (``triton_lang.run``, W4A16) and the dense cuBLAS anchor at Kimi K2's prefill sizes on one H200.
 
 Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with SwiGLU, down
@@ -25,7 +25,9 @@ import numpy as np
 T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
-CANDIDATES = [("ss bk64 s4", dict(kind="ss", block_k=64, num_stages=4)),
+CANDIDATES = [("ws bk64 s4", dict(kind="ws", block_k=64, num_stages=4)),
+              ("ws bk64 s4 group_t 4", dict(kind="ws", block_k=64, num_stages=4, group_t=4)),
+              ("ss bk64 s4", dict(kind="ss", block_k=64, num_stages=4)),
               ("ss bk64 s4 group_t 4", dict(kind="ss", block_k=64, num_stages=4, group_t=4)),
               ("gluon bk128 s3", dict(block_k=128, num_stages=3)),
               ("ablate: no x loads", dict(block_k=128, num_stages=3, ablate=1)),
@@ -66,6 +68,7 @@ def main():
         import jax.numpy as jnp
 
         from benchmarks import gluon_probe_kernel as gk
+        from benchmarks import gluon_ws_kernel as wk
         from pallas_kernels.grouped_matmul import triton_lang
         from pallas_kernels.grouped_matmul.tuning import Op
         from types import SimpleNamespace
@@ -191,18 +194,20 @@ def main():
                     continue
                 try:
                     t0 = time.monotonic()
-                    ss = tile.get("kind") == "ss"
+                    kind = tile.get("kind", "swap_ab")
                     tile = {key: v for key, v in tile.items() if key != "kind"}
-                    spec = (gk.SsSpec if ss else gk.GluonSpec)(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
-                                                               **tile)
+                    spec_type, matmul = {"ss": (gk.SsSpec, gk.ss_matmul), "ws": (wk.WsSpec, wk.ws_matmul),
+                                         "swap_ab": (gk.GluonSpec, gk.w4a16_matmul)}[kind]
+                    spec = spec_type(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, **tile)
                     kern = gk.compile_kernel(spec)
-                    # The ss kernel reads x in natural column order, the swap-AB one in permute_k's.
+                    # The ss kernel reads x in natural column order, the others in permute_k's.
+                    ss = kind == "ss"
                     xs_g = xs if ss else [jax.jit(triton_lang.permute_k, static_argnums=1)(x, spec.block_k) for x in xs]
 
-                    def cand(x, out=None, tile=tile, ss=ss):
+                    def cand(x, out=None, tile=tile, ss=ss, matmul=matmul):
                         if ss:
-                            return gk.ss_matmul(op, x, w, group_sizes, out=out, **tile)
-                        return gk.w4a16_matmul(op, x, w, group_sizes, out=out, permuted=True, **tile)
+                            return matmul(op, x, w, group_sizes, out=out, **tile)
+                        return matmul(op, x, w, group_sizes, out=out, permuted=True, **tile)
                     compile_s = time.monotonic() - t0
 
                     y = jax.block_until_ready(cand(xs_g[0], out=poison.copy()))

@@ -3,9 +3,11 @@ language), two designs; measured slower than the table kernel on an H200
 (``benchmarks/results/gluon_probe_h200/``, ``benchmarks/NOTES.md`` section 1, "Gluon candidates").
 
 A probe, not a backend: it lives beside its benchmark (``benchmarks/gluon_probe.py``), outside the
-library, and nothing dispatches to it. Kept because it is the working base for the next step (a
-warp-specialized kernel, ``gl.warp_specialize``): Gluon kernels compiled here run through
-jaxlib's ``triton_kernel_call`` and match the table kernel and float64 at Kimi K2's size.
+library, and nothing dispatches to it. Kept because it is the base of the next step, the
+warp-specialized candidate in ``benchmarks/gluon_ws_kernel.py`` (``gl.warp_specialize``), which
+takes its dequantization, tile order, spec and launch from here: Gluon kernels compiled here run
+through jaxlib's ``triton_kernel_call`` (with Triton's global scratch for device-side TMA
+descriptors) and match the table kernel and float64 at Kimi K2's size.
 
 Candidate 1 (:func:`_kernel`, swap-AB): the dequantization overlapped with the previous K step's
 MMAs.
@@ -541,8 +543,15 @@ class _Spec:
     def num_programs(self) -> int:
         return self.max_tiles * (self.n_out // self.block_n)  # block_n: output columns per tile, per candidate
 
+    @property
+    def num_warps(self) -> int:
+        return NUM_WARPS.value
+
+    def compile_options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": 1}
+
     def constexprs(self) -> dict:
-        """The constexprs both kernels take."""
+        """The constexprs every kernel takes."""
         return dict(K=self.k, N_OUT=self.n_out, N_W=2 * self.n_out if self.fused else self.n_out,
                     G=self.scale_groups, FUSED=self.fused, NUM_TILES=self.max_tiles, BLOCK_K=self.block_k,
                     GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages)
@@ -602,11 +611,23 @@ def compile_kernel(spec: _Spec, capability: int = 90):
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in _POINTERS}
     source = GluonASTSource(fn=fn, signature=signature, attrs=aligned,
                             constexprs={(fn.arg_names.index(a),): v for a, v in constexprs.items()})
-    return _triton_compile(source, capability, {"num_warps": NUM_WARPS.value, "num_stages": 1})
+    return _triton_compile(source, capability, spec.compile_options())
 
 
 _gluon_call_p = Primitive("moe_jax_gluon_w4a16_call")
-_gluon_call_p.def_abstract_eval(lambda *avals, spec: jax.core.ShapedArray((spec.num_rows, spec.n_out), jnp.bfloat16))
+_gluon_call_p.multiple_results = True
+
+
+def _scratch_bytes(spec: _Spec) -> int:
+    """Triton's global scratch for the launch (device-side TMA descriptors): per program, all of them."""
+    return max(1, int(compile_kernel(spec, 90).metadata.global_scratch_size) * spec.num_programs)
+
+
+@_gluon_call_p.def_abstract_eval
+def _gluon_call_abstract(*avals, spec: _Spec):
+    del avals
+    return (jax.core.ShapedArray((spec.num_rows, spec.n_out), jnp.bfloat16),
+            jax.core.ShapedArray((_scratch_bytes(spec),), jnp.uint8))
 
 
 def _gluon_call_lowering(ctx, *args, spec: _Spec):
@@ -614,9 +635,15 @@ def _gluon_call_lowering(ctx, *args, spec: _Spec):
 
     kernel = compile_kernel(spec, 90)
     meta = kernel.metadata
-    # A Gluon module has no TTIR (it is written at the TTGIR level); jaxlib loads the PTX.
+    # A Gluon module has no TTIR (it is written at the TTGIR level); jaxlib loads the PTX. The
+    # block is the kernel's warps after warp specialization, not the warps it was written for.
     tk = gpu_triton.TritonKernel(meta.name, int(meta.num_warps), 1, int(meta.shared), kernel.asm["ptx"], "", 90)
+    # The user's pointers, then the scratch output in the kernel's global-scratch slot (jaxlib's
+    # two trailing null pointers fill the profile-scratch slot and one the kernel does not read);
+    # Triton aligns each program's slice to global_scratch_align from the base.
     params = [gpu_triton.create_array_parameter(0, 16) for _ in range(len(_POINTERS))]
+    params.append(gpu_triton.create_array_parameter(0, int(meta.global_scratch_align) if meta.global_scratch_size
+                                                    else 0))
     call = gpu_triton.TritonKernelCall(tk, spec.num_programs, 1, 1, params)
     proto = call.to_proto(f"gluon_{type(spec).__name__}_{spec.op.value}", b"")
     rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2, backend_config=zlib.compress(proto),
@@ -631,10 +658,11 @@ mlir.register_lowering(_gluon_call_p, _gluon_call_lowering, platform="cuda")
 def launch(spec: _Spec, group_sizes_e, x_mk, packed, scales_u8, global_scale_eg, out):
     """bf16 ``[M, n_out]`` written into ``out`` (aliased); rows past ``sum(group_sizes_e)`` keep
     its values. ``x_mk``'s columns in ``triton_lang.permute_k(x, spec.block_k)`` order for
-    :class:`GluonSpec`, natural for :class:`SsSpec`."""
+    :class:`GluonSpec` and :class:`WsSpec` (``gluon_ws_kernel``), natural for :class:`SsSpec`."""
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS.value,
                                             num_tiles=spec.max_tiles)
-    return _gluon_call_p.bind(*schedule, x_mk, packed, scales_u8, global_scale_eg, out, spec=spec)
+    y, _ = _gluon_call_p.bind(*schedule, x_mk, packed, scales_u8, global_scale_eg, out, spec=spec)
+    return y
 
 
 def _matmul(spec_type, op: Op, x_mk, w, group_sizes_e, out, **tile) -> jax.Array:

@@ -2,7 +2,8 @@
 to what they were written to be: each K step's MMAs issued back to back and left in flight
 (one ``wgmma.wait_group`` per step that keeps the step's own groups outstanding), the register
 operand kept (swap-AB kernel) or both operands in shared memory (the ``ss`` kernel, m64n256),
-within the SM's shared memory and without register spills."""
+within the SM's shared memory and without register spills; and the warp-specialized candidate
+(``benchmarks/gluon_ws_kernel.py``) to partitions that synchronize through mbarriers only."""
 
 from __future__ import annotations
 
@@ -42,4 +43,27 @@ def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
     compiled, waits, ptx = _facts(gk.compile_kernel(spec))
     assert waits == [0, 1, 2], waits
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd", ptx)
+    assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
+def test_ws_candidate_is_warp_specialized_without_cta_barriers(op):
+    """``gluon_ws_kernel``: 12 warps (two consumer warp groups, one producer warp padded to a
+    group) whose registers are moved by ``setmaxnreg`` (232 per consumer, 40 for the producer);
+    the producer loads by TMA and ``cp.async`` into mbarrier-tracked stages; every barrier inside
+    a partition is a 128-thread named one (a warp group's), none spans the CTA, so the consumers
+    never wait for each other."""
+    from benchmarks import gluon_ws_kernel as wk  # noqa: PLC0415
+
+    k, n_out = SHAPES[op]
+    spec = wk.WsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out)
+    compiled, waits, ptx = _facts(gk.compile_kernel(spec))
+    assert re.search(r"\.reqntid\s+384\b", ptx)
+    assert {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)} >= {232, 40}
+    # 1: one step in flight (64 or 128 rows); 2: the 128 + 64-row step's two groups; 0: the last.
+    assert waits == [0, 1, 2], waits
+    assert "cp.async.bulk.tensor.2d" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "mbarrier.try_wait.parity" in ptx
+    named = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
+    assert named and all(count == "128" for _, count in named), sorted(set(named))
     assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]

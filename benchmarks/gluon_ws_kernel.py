@@ -1,0 +1,295 @@
+"""Candidate 3: the W4A16 NVFP4 grouped GEMM for SM90, warp-specialized in Gluon (``gl.warp_specialize``).
+
+A probe beside its benchmark (``benchmarks/gluon_probe.py``), outside the library; nothing
+dispatches to it. It is the design ``benchmarks/NOTES.md`` section 1 ("Gluon candidates") names
+after measuring the two lockstep candidates of ``gluon_probe_kernel``: there all 8 warps load,
+dequantize and multiply, and the CTA barriers of every K step stall all of them (Nsight Compute:
+1.83 barrier stalls per issued instruction, 0.46 eligible warps per scheduler).
+
+Here no CTA barrier is in the K loop. Three partitions share a ring of ``NUM_STAGES`` buffers:
+
+* a **producer** warp: per K step, the activation tile by TMA (``[N, BLOCK_K]`` token rows,
+  128-byte swizzle, zero-filled past the last row) and the packed words and E4M3 scales of the
+  tile's 128 weight rows by ``cp.async``, in the order the consumers' MMA rows want them; the
+  step's ``full`` mbarrier completes when the TMA bytes have landed and every lane's copies have
+  arrived (``cp.async.mbarrier.arrive.noinc``). It waits on the stage's ``empty`` mbarrier
+  first, so it runs up to ``NUM_STAGES`` steps ahead.
+* two **consumer** warp groups, each its own partition with 64 weight rows (the MMA's M, the
+  register-A operand) of the tile: wait for ``full``, dequantize the words into the A fragment
+  (``triton_lang``'s exact PTX), issue one asynchronous ``wgmma`` over the step against the token
+  tile in shared memory (the MMA's N: 64, 128 or 192 token rows by what the tile holds), then
+  ``warpgroup_mma_wait(1)`` retires the previous step's MMA, whose stage is released on
+  ``empty``. The two groups never wait for each other: while one dequantizes, the other's MMAs
+  run.
+
+For the fused gate/up op each consumer holds 32 output columns as 64 MMA rows, ordered so that a
+thread's two accumulator rows (``lane / 4`` and ``lane / 4 + 8`` of its warp's 16) are the gate
+and the up row of one column: SwiGLU is computed in registers, with nothing exchanged between
+warps. Same contract and numerics as ``triton_lang``'s W4A16 path and the other candidates: ``x``
+sorted by expert in ``triton_lang.permute_k`` column order, tiles of at most 192 rows of one
+expert (``pallas_triton.tile_schedule``), float32 accumulation, the global scales and SwiGLU on the
+accumulator, bf16 out. The x descriptor is made on the device, in Triton's global scratch, which
+``gluon_probe_kernel``'s launch primitive passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton.experimental.gluon as gluon
+import triton.experimental.gluon.language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from benchmarks.gluon_probe_kernel import _bits, _dequantize, _program_tile, _Spec
+from pallas_kernels.grouped_matmul.tuning import Op
+
+#: Weight rows per consumer warp group (one ``wgmma`` M); two groups per tile.
+WG_ROWS = gl.constexpr(64)
+CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_in_ptr,
+               out_ptr, NUM_ROWS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr,
+               G: gl.constexpr, FUSED: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr,
+               GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
+               S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
+    # Output columns per tile: 2 x 32 (fused: 64 MMA rows per group hold 32 gate and 32 up rows) or 2 x 64.
+    TILE_N: gl.constexpr = WG_ROWS if FUSED else 2 * WG_ROWS
+    t, j = _program_tile(NUM_TILES, N_OUT // TILE_N, GROUP_T)
+    row_start = gl.load(tile_start_ptr + t)
+    row_end = gl.load(tile_end_ptr + t)
+    if row_start < row_end:
+        expert = gl.load(tile_expert_ptr + t).to(gl.int64)
+        rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
+        if rows <= 64:
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
+                     N_OUT, N_W, G, FUSED, 64, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
+                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+        elif rows <= 128:
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
+                     N_OUT, N_W, G, FUSED, 128, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
+                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+        else:
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
+                     N_OUT, N_W, G, FUSED, 128, 64, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
+                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+
+
+@gluon.jit
+def _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS: gl.constexpr,
+             K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
+             BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+             W_COPY: gl.constexpr, S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr,
+             STORE: gl.constexpr):
+    """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x
+    output tile ``j``: the ring, its barriers and the three partitions. The ``EXTRA_M`` rows (if
+    any) are a second MMA against the same weight operand (shapes are powers of two)."""
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_M, BLOCK_K], X_SMEM)
+    x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, EXTRA_M if EXTRA_M > 0 else 8, BLOCK_K], X_SMEM)
+    w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 8], PLAIN_SMEM)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 16], PLAIN_SMEM)
+    full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        # full: the TMA's expect-arrive and the producer warp's 32 cp.async arrivals; empty: both consumers.
+        mbarrier.init(full.index(s), count=33)
+        mbarrier.init(empty.index(s), count=2)
+    # (Tuples written out: a tuple of constexpr layouts built in a jit function would become tensors.)
+    gl.warp_specialize([
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
+                     out_ptr, K, N_OUT, G, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE, 0)),
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
+                     out_ptr, K, N_OUT, G, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE, 1)),
+        (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
+                     NUM_ROWS, K, N_OUT, N_W, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, W_COPY, S_COPY)),
+    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _weight_row(r, j, N_OUT: gl.constexpr, FUSED: gl.constexpr):
+    """The weight row (of the expert's ``[N_W, K]``) that MMA row ``r`` (``[0, 128)``: consumer
+    ``r // 64``, its row ``r % 64``) of output tile ``j`` multiplies. Fused: in each 16-row warp
+    slab, 8 gate rows then the 8 up rows of the same 8 output columns."""
+    if FUSED:
+        rr = r % WG_ROWS
+        column = j * WG_ROWS + (r // WG_ROWS) * (WG_ROWS // 2) + (rr // 16) * 8 + rr % 8
+        return ((rr // 8) % 2) * N_OUT + column
+    else:
+        return j * (2 * WG_ROWS) + r
+
+
+@gluon.jit
+def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
+              NUM_ROWS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr,
+              BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+              W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+    x_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
+                                        block_shape=[BLOCK_M, BLOCK_K], layout=x_smem.type.layout)
+    if EXTRA_M > 0:
+        x2_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
+                                             block_shape=[EXTRA_M, BLOCK_K], layout=x2_smem.type.layout)
+    wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
+    w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
+            + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
+               + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
+    sr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, S_COPY))
+    s_at = (w_scale_ptr + expert * (N_W * (K // 16))
+            + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
+               + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+    for i in range(K // BLOCK_K):
+        stage = i % NUM_STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first lap passes.
+        mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+        bar = full.index(stage)
+        mbarrier.expect(bar, (BLOCK_M + EXTRA_M) * BLOCK_K * 2)
+        tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar, x_smem.index(stage))
+        if EXTRA_M > 0:
+            tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
+        cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
+        cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * (BLOCK_K // 16))
+        cp.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr, out_ptr,
+              K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
+              EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, WORDS: gl.constexpr,
+              SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                   instr_shape=[16, BLOCK_M, 16])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    M2: gl.constexpr = EXTRA_M if EXTRA_M > 0 else BLOCK_M
+    MMA2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                    instr_shape=[16, M2, 16])
+    A2_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
+    acc = gl.zeros((WG_ROWS, BLOCK_M), gl.float32, layout=MMA)
+    acc2 = gl.zeros((WG_ROWS, M2), gl.float32, layout=MMA2)
+    a_prev = gl.zeros((WG_ROWS, BLOCK_K), gl.bfloat16, layout=A_LAYOUT)
+    for i in range(K // BLOCK_K):
+        stage = i % NUM_STAGES
+        mbarrier.wait(full.index(stage), (i // NUM_STAGES) & 1)
+        words = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(WORDS)
+        scales = s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES)
+        a = _dequantize(words, scales, WG_ROWS, BLOCK_K, WORDS, A_LAYOUT)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        # Step i - 1's MMAs are done after the wait (its register operand lived until here): its stage is free.
+        if EXTRA_M > 0:
+            a2 = gl.convert_layout(a, A2_LAYOUT, assert_trivial=True)
+            acc2 = warpgroup_mma(a2, x2_smem.index(stage).permute((1, 0)), acc2, is_async=True)
+            acc, acc2, a_prev = warpgroup_mma_wait(2, deps=[acc, acc2, a_prev])
+        else:
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+        mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+        a_prev = a
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BLOCK_M, MMA, STORE, WG)
+    if EXTRA_M > 0:
+        acc2 = warpgroup_mma_wait(0, deps=[acc2])
+        _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, EXTRA_M,
+                  MMA2, STORE, WG)
+
+
+@gluon.jit
+def _epilogue(acc, row_start, row_end, m0: gl.constexpr, expert, j, w_global_ptr, out_ptr, N_OUT: gl.constexpr,
+              G: gl.constexpr, FUSED: gl.constexpr, N: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr,
+              WG: gl.constexpr):
+    """Scales the ``[64, N]`` accumulator (weight rows x token rows ``m0 + [0, N)`` of the
+    tile), applies SwiGLU (fused) and stores the token rows before ``row_end``."""
+    r = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
+    half_r = (r // 8) % 2 if FUSED else r * 0  # gate 0, up 1
+    # The global scales (per expert, per half of the fused op) and the 2**7 the operand is short of.
+    acc = acc * (gl.load(w_global_ptr + expert * G + half_r * (G - 1)) * 128.0)[:, None]
+    if FUSED:
+        # [slab, half, 8, N] -> gate and up [slab, 8, N]: the half is a register bit of each thread.
+        gate, up = gl.split(gl.permute(gl.reshape(acc, (4, 2, 8, N)), (0, 2, 3, 1)))
+        gate = gl.reshape(gate, (WG_ROWS // 2, N))
+        up = gl.reshape(up, (WG_ROWS // 2, N))
+        y = gate / (1.0 + gl.exp(-gate)) * up
+        COLS: gl.constexpr = WG_ROWS // 2
+    else:
+        y = acc
+        COLS: gl.constexpr = WG_ROWS
+    y = gl.convert_layout(y.to(gl.bfloat16), STORE)
+    cols_n = j * (2 * COLS) + WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(1, STORE))
+    local_m = m0 + gl.arange(0, N, layout=gl.SliceLayout(0, STORE))
+    out_at = out_ptr + row_start.to(gl.int64) * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
+    gl.store(out_at, y, mask=(row_start + local_m < row_end)[None, :])
+
+
+def ws_layouts(*, block_k: int, fused: bool) -> dict:
+    """Layout constexprs of :func:`_ws_kernel` for ``block_k``.
+
+    ``WORDS``/``SCALES``: a consumer's 64 rows as ``gluon_probe_kernel.layouts`` places 128 over
+    8 warps (a thread's words are exactly its registers of the MMA's A fragment), here over 4.
+    ``W_COPY``/``S_COPY``: the producer warp's 16-byte (words) and 4-byte (scales) copies of both
+    consumers' 128 rows."""
+    g = block_k // 32
+    warp = [[16, 0], [32, 0]]
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]] + [[0, b] for b in _bits(g)], lane_bases=[[0, g], [0, 2 * g], [1, 0], [2, 0], [4, 0]],
+        warp_bases=warp, block_bases=[], shape=[WG_ROWS.value, block_k // 8])
+    scales = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]] + [[0, b] for b in _bits(g // 2)],
+        lane_bases=[[0, g // 2], [0, g], [1, 0], [2, 0], [4, 0]], warp_bases=warp, block_bases=[],
+        shape=[WG_ROWS.value, block_k // 16])
+    w_vectors = block_k // 32  # 16-byte vectors of words per row
+    w_copy = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // w_vectors, w_vectors],
+                              warps_per_cta=[1, 1], order=[1, 0])
+    s_vectors = block_k // 64  # 4-byte chunks of scales per row
+    s_copy = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // s_vectors, s_vectors],
+                              warps_per_cta=[1, 1], order=[1, 0])
+    x_smem = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * block_k), element_bitwidth=16, rank=2)
+    plain = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    # Output columns (the weight rows) contiguous in a thread: 16-byte stores.
+    cols = WG_ROWS.value // 2 if fused else WG_ROWS.value
+    store = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[cols // 8, 256 // cols],
+                             warps_per_cta=[1, CONSUMER_WARPS.value], order=[0, 1])
+    return dict(WORDS=words, SCALES=scales, W_COPY=w_copy, S_COPY=s_copy, X_SMEM=x_smem, PLAIN_SMEM=plain,
+                STORE=store)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WsSpec(_Spec):
+    """One launch of :func:`_ws_kernel`."""
+
+    block_k: int = 64
+    num_stages: int = 4
+    #: setmaxnreg of each consumer warp group and of the producer's; the kernel's ``maxnreg``
+    #: follows (3 warp groups share the 64K registers).
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    kernel = _ws_kernel
+
+    @property
+    def block_n(self) -> int:
+        return WG_ROWS.value if self.fused else 2 * WG_ROWS.value
+
+    @property
+    def num_warps(self) -> int:
+        return CONSUMER_WARPS.value
+
+    def compile_options(self) -> dict:
+        # The default partition (consumer 0) gets what the others leave of maxnreg x 12 warps.
+        return dict(super().compile_options(), maxnreg=(2 * self.consumer_regs + self.producer_regs) // 3)
+
+    def constexprs(self) -> dict:
+        return dict(super().constexprs(), NUM_ROWS=self.num_rows, CONSUMER_REGS=self.consumer_regs,
+                    PRODUCER_REGS=self.producer_regs, **ws_layouts(block_k=self.block_k, fused=self.fused))
+
+
+def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = False, **tile):
+    """``triton_lang.run``'s W4A16 contract on SM90 through :func:`_ws_kernel` (``x_mk`` in natural
+    column order unless ``permuted``); ``tile``: :class:`WsSpec`'s fields."""
+    from benchmarks.gluon_probe_kernel import _matmul  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
+
+    if not permuted:
+        x_mk = triton_lang.permute_k(x_mk, tile.get("block_k", WsSpec.block_k))
+    return _matmul(WsSpec, op, x_mk, w, group_sizes_e, out, **tile)
+
+
+__all__ = ["WsSpec", "ws_layouts", "ws_matmul"]

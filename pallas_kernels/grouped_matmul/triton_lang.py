@@ -134,6 +134,17 @@ MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
 }
 
 
+# Between decode and prefill: more than one decode row tile per expert on average, at most two
+# (``tuning.choose_variant`` still says decode; Kimi K2 at 769-1536 tokens on one GPU). The decode
+# tile then reads and dequantizes each weight tile twice (an expert's 16-row tiles); one 32-row
+# tile per expert does it once, as a 32-row MMA. SM90 at 384 experts, CUPTI kernel time
+# (results/native_h200/native_sweep_mid_rows.json): 8192 rows gate/up 2946 us against 3873 for the
+# decode tile, down 1282 against 1972-2155; 12288 rows 4126 against 5097 and 1826 against 2737.
+MID_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.GATE_UP_SWIGLU: _p(32, 64, 256, 4, 4), Op.MATMUL: _p(32, 128, 256, 4, 3)},
+}
+
+
 # The W4A16 input gradient (``dy @ W_e``, :func:`input_grad`): block_m rows, block_n output
 # columns (the weight's K), block_k the reduction step (the weight's N); (fewer than, at least)
 # INPUT_GRAD_MANY_ROWS rows per expert on average. SM90: the fastest of a sweep on an H200 at
@@ -540,7 +551,8 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
               trans_w: bool = False) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
     (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
-    :data:`MANY_ROWS_PER_EXPERT` rows per expert)."""
+    :data:`MANY_ROWS_PER_EXPERT` rows per expert, :data:`MID_TILES` between one and two decode
+    row tiles per expert)."""
     check_capability(compute_capability)
     if mode is Mode.BF16 and tile is None:
         if compute_capability not in BF16_TILES:
@@ -556,6 +568,9 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
         variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
                                         compute_capability=compute_capability)
         tile = NATIVE_TILES[compute_capability][(variant, op)]
+        mid = MID_TILES.get(compute_capability, {}).get(op)
+        if variant is Variant.DECODE and mid is not None and num_rows > tile.block_m * num_experts:
+            tile = mid
     block_k = tuning.fit_block(tile.block_k, k, K_MULTIPLE)
     # No more pipeline stages than K steps: a layer with K = 64 gave 5% error on an H200 with the
     # 4-stage prefill tile (one K step) while every longer K matched; one stage per step is what

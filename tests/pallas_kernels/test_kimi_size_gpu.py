@@ -22,7 +22,8 @@ one format over several routings of fresh random rows (never zeros) into a NaN-p
 * ``last_expert_hottest``: the same, with 301 rows (several row tiles, not a tile multiple)
   for expert 383;
 * ``decode_top8`` / ``prefill_top8``: 32 / 2048 tokens, each sent to 8 distinct random
-  experts (the issue's reproduction), rows of the blocks above checked.
+  experts (the issue's reproduction), rows of the blocks above checked; ``mid_top8`` (where a
+  test asks for it): 1024 tokens, between one and two decode row tiles per expert.
 
 Each defined row must be written and finite, each padding row must keep its poison, and per
 expert block the relative Frobenius error against a float64 reference must be below 1e-2
@@ -61,7 +62,7 @@ ROWS = 16
 HOT_ROWS = 301
 PADDED_ROWS = 1024  # rows of x for the block patterns: the defined rows, then padding
 TOLERANCE = 1e-2
-DECODE_TOKENS, PREFILL_TOKENS = 32, 2048
+DECODE_TOKENS, PREFILL_TOKENS, MID_TOKENS = 32, 2048, 1024
 
 # op name -> (kernel, weight rows N, contraction K, output columns)
 OPS = {
@@ -96,7 +97,7 @@ def _block_experts() -> list[int]:
     return [e for lo, hi in BLOCKS for e in range(lo, hi)]
 
 
-def patterns(rng) -> dict[str, tuple[np.ndarray, int]]:
+def patterns(rng, mid_rows: bool = False) -> dict[str, tuple[np.ndarray, int]]:
     """name -> (group sizes int32 [E], rows of x); rows past the sizes' sum are padding."""
     blocks = np.zeros(E, np.int32)
     blocks[_block_experts()] = ROWS
@@ -105,7 +106,8 @@ def patterns(rng) -> dict[str, tuple[np.ndarray, int]]:
     hot[E - 1] = HOT_ROWS
     out = {"blocks": (blocks, PADDED_ROWS), "last_expert_empty": (last_empty, PADDED_ROWS),
            "last_expert_hottest": (hot, PADDED_ROWS)}
-    for name, tokens in (("decode_top8", DECODE_TOKENS), ("prefill_top8", PREFILL_TOKENS)):
+    top8 = (("decode_top8", DECODE_TOKENS), ("prefill_top8", PREFILL_TOKENS))
+    for name, tokens in top8 + ((("mid_top8", MID_TOKENS),) if mid_rows else ()):
         ids_tk = np.stack([rng.choice(E, 8, replace=False) for _ in range(tokens)])
         out[name] = (np.bincount(ids_tk.ravel(), minlength=E).astype(np.int32), tokens * 8 + 64)
     return out
@@ -142,9 +144,10 @@ def test_kimi_size_input_grad_top_experts_match_float64_reference(rng, record_pr
 
 
 def _check_top_experts(rng, record_property, label: str, kernel, fmt: str, w_shape, x_cols: int, n_out: int,
-                       expert_fn):
+                       expert_fn, mid_rows: bool = False):
     """Runs ``kernel(x [m, x_cols], w [E, *w_shape], sizes) -> [m, n_out]`` over every routing of
-    :func:`patterns` and checks the top expert blocks against ``expert_fn(x_rows, w_nk)``."""
+    :func:`patterns` (``mid_rows``: with ``mid_top8``) and checks the top expert blocks against
+    ``expert_fn(x_rows, w_nk)``."""
     cc = _capability()
     perturb_allocator()
     key = jax.random.key(int(rng.integers(1 << 31)))
@@ -152,7 +155,7 @@ def _check_top_experts(rng, record_property, label: str, kernel, fmt: str, w_sha
 
     # Run every routing, keep inputs and outputs on the host.
     runs = {}
-    for i, (name, (sizes, m)) in enumerate(patterns(rng).items()):
+    for i, (name, (sizes, m)) in enumerate(patterns(rng, mid_rows).items()):
         x = jax.random.normal(jax.random.fold_in(key, i + 1), (m, x_cols), jnp.bfloat16)
         poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
         y = kernel(x, w, jnp.asarray(sizes), compute_capability=cc, out=poisoned)

@@ -290,3 +290,34 @@ def test_bf16_bad_input_gets_one_line_naming_the_argument():
                                     out=args["out"], transpose_w=args["transpose_w"])
     with pytest.raises(ValueError, match=r"^mode: BF16, expected W4A4 or W4A16 \(bf16 weights go through bf16_matmul\)$"):
         triton_lang.run(Op.MATMUL, x, _nvfp4(), sizes, compute_capability=90, mode=triton_lang.Mode.BF16)
+
+
+@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
+def test_between_one_and_two_decode_tiles_per_expert_get_the_mid_tile_which_compiles_without_spills(op):
+    """On SM90, above one decode row tile per expert (16 rows) and up to two (where
+    ``choose_variant`` still says decode), an op takes ``MID_TILES``' 32-row tile; at the bounds'
+    other sides the decode and the prefill tiles; other capabilities keep the decode tile."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+
+    def spec(rows, cc=90):
+        return triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=rows, num_experts=384, k=k, n_out=n_out,
+                                     scale_groups=1, compute_capability=cc)
+
+    decode = triton_lang.NATIVE_TILES[90][(tuning.Variant.DECODE, op)]
+    prefill = triton_lang.NATIVE_TILES[90][(tuning.Variant.PREFILL, op)]
+    mid = triton_lang.MID_TILES[90][op]
+    assert mid.block_m == 2 * decode.block_m
+    assert spec(decode.block_m * 384).tile == decode
+    assert spec(decode.block_m * 384 + 1).tile == mid and spec(2 * decode.block_m * 384).tile == mid
+    assert spec(2 * decode.block_m * 384 + 1).tile.block_m == prefill.block_m
+    assert spec(8192, cc=80).tile.block_m == triton_lang.NATIVE_TILES[80][(tuning.Variant.DECODE, op)].block_m
+    one = spec(8192)
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(one),
+                                  constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
+                                  num_stages=one.tile.num_stages, name=f"native_mid_{op.value}")
+    assert re.search(EXPECTED[90][1], kernel.ptx)
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]

@@ -102,13 +102,13 @@ def test_native_row_paths_at_their_boundaries(rng, op):
 @pytest.mark.parametrize("experts", [64, 1], ids=["routed", "shared"])
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 def test_native_at_the_serving_soaks_shapes(rng, op, experts):
-    """Every bucket of ``test_serving_gpu.py``'s soak (``test_serving.GPU_BUCKETS``: 16, 64, 512
-    and 8192 tokens, top-8 of 64 experts at H=1024, F=512, and its shared expert as one group of
-    all tokens), part-filled as a bucket is: each tile family (decode, one group, prefill with
-    tails and extra rows, many rows) at row counts the layer gives it, with the unfilled rows
-    NaN-poisoned. Each bucket is a compilation of its own (the tile count is a constant of the
-    kernel): the soak's four give every tile that ``token_buckets(8192)``'s ten would (the test
-    below checks that)."""
+    """Every bucket of ``test_serving_gpu.py``'s soak (``test_serving.GPU_BUCKETS``: 16, 64, 256,
+    512 and 8192 tokens, top-8 of 64 experts at H=1024, F=512, and its shared expert as one group
+    of all tokens), part-filled as a bucket is: each tile family (decode, one group, between
+    decode and prefill, prefill with tails and extra rows, many rows) at row counts the layer
+    gives it, with the unfilled rows NaN-poisoned. Each bucket is a compilation of its own (the
+    tile count is a constant of the kernel): the soak's five give every tile that
+    ``token_buckets(8192)``'s ten would (the test below checks that)."""
     from test_serving import GPU_BUCKETS
 
     h, f, top_k = 1024, 512, 8
@@ -127,7 +127,7 @@ def test_native_at_the_serving_soaks_shapes(rng, op, experts):
 def test_the_soaks_buckets_reach_every_tile_of_every_bucket_size(op, experts, capability):
     """The soak's buckets (``test_serving.GPU_BUCKETS``) give each op the same tiles as every
     size of ``token_buckets(8192)`` would: the GPU soak and the test above lose no tile by
-    compiling four buckets instead of ten (host logic, on the CPU)."""
+    compiling five buckets instead of ten (host logic, on the CPU)."""
     from test_serving import GPU_BUCKETS
 
     from moe_jax.serving import token_buckets
@@ -224,7 +224,8 @@ def test_native_on_two_gpus_each_with_its_own_experts(rng):
 @pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
 def test_native_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
     """384 experts, the top expert ids (down projection codes past 2**31 bytes), NaN-poisoned
-    outputs: the harness of ``test_kimi_size_gpu.py`` with the native kernel."""
+    outputs: the harness of ``test_kimi_size_gpu.py`` with the native kernel, and its
+    ``mid_top8`` routing (``triton_lang.MID_TILES``' row counts)."""
     cc = _capability()
     mode = triton_lang.mode_for(cc)
     kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
@@ -237,7 +238,8 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
             x_mk = _rows_for(mode, jnp.asarray(x_mk, jnp.bfloat16))[1]
         return expert_reference(op, x_mk, w_nk)
 
-    _check_top_experts(rng, record_property, f"native {mode.value} {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn)
+    _check_top_experts(rng, record_property, f"native {mode.value} {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn,
+                       mid_rows=True)
 
 
 def _input_grad_capability() -> int:

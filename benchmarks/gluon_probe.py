@@ -1,15 +1,17 @@
-"""One-GPU-call probe: the Gluon W4A16 candidates (``gluon_probe_kernel``, ``gluon_ws_kernel``) against the table kernel
-(``triton_lang.run``, W4A16) and the dense cuBLAS anchor at Kimi K2's prefill sizes on one H200.
+"""One-GPU-call probe: the Gluon W4A16 candidates (``gluon_probe_kernel``, ``gluon_ws_kernel``)
+against the table kernel (``triton_lang.run``, W4A16) and the dense cuBLAS anchor at Kimi K2's
+prefill sizes on one H200.
 
-Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with SwiGLU, down
-K 2048 N 7168): random NVFP4 weights (codes, E4M3 block scales, per-expert global scales), the
-table kernel's output and each candidate's written into NaN-poisoned buffers; per candidate the
-relative Frobenius difference from the table kernel, the relative error of sampled rows (experts
-0, 1, 191, 383) against float64 on the host, the NaN rows; the median of timed calls (x rotated
+Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; gate/up K 7168 N
+2x2048 with SwiGLU, down K 2048 N 7168): random NVFP4 weights (codes, E4M3 block scales,
+per-expert global scales), the table kernel's output and each candidate's written into
+NaN-poisoned buffers; per candidate the relative Frobenius difference from the table kernel, the
+rows more than 1% off it (the first as expert and row within it), the relative error of sampled
+rows (the highest expert among them) against float64 on the host, the NaN rows; the median of timed calls (x rotated
 over 3 copies, already in each kernel's ``permute_k`` order) after a warm-up; the dense anchor
 ``[M, K] x [K, N]`` bf16 through XLA in the same run. ``--budget-s`` bounds the run.
 
-    PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10]
+    PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10] [--routing irregular]
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ CANDIDATES = [("ws bk64 s4", dict(kind="ws", block_k=64, num_stages=4)),
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
 
+def irregular_sizes(m: int) -> np.ndarray:
+    """Group sizes summing to ``m``: a cycle through each tile kind's edges, scaled down if it sums
+    past ``m``, the remainder on expert ``E - 1``."""
+    cycle = np.array([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 384, 17, 250], np.int64)
+    sizes = np.resize(cycle, E)
+    if sizes.sum() > m:
+        sizes = sizes * m // sizes.sum()
+    sizes[-1] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
 def left(budget):
     return budget - (time.monotonic() - T0)
 
@@ -48,6 +61,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rows", type=int, nargs="*", default=[65536, 8192])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
+                    help="irregular: experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile kind and "
+                         "tiles past one per expert), the remainder on the last expert")
     ap.add_argument("--candidates", nargs="*", default=None, help="labels to run (default: all)")
     ap.add_argument("--once", action="store_true",
                     help="no anchor, no timing: each kernel launched once after its checked run (for ncu, which "
@@ -112,12 +128,18 @@ def main():
                 continue
             flops = 2.0 * m * k * n_w
             base = m // E
-            sizes = np.full(E, base, np.int32)
-            sizes[: m - base * E] += 1
+            if args.routing == "uniform":
+                sizes = np.full(E, base, np.int32)
+                sizes[: m - base * E] += 1
+                samples = list(zip((0, 1, 191, 383), (0, 169, 85, 100)))
+            else:
+                sizes = irregular_sizes(m)
+                # The last row of each kind of tile and of the largest expert (the highest id).
+                samples = [(e, int(sizes[e]) - 1) for e in (1, 3, 4, 6, 7, 10, 11, 383) if sizes[e]]
             group_sizes = jnp.asarray(sizes)
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            sample_experts = [0, 1, 191, 383]
-            sample_rows = [int(starts[e] + min(o, sizes[e] - 1)) for e, o in zip(sample_experts, (0, 169, 85, 100))]
+            sample_experts = [e for e, _ in samples]
+            sample_rows = [int(starts[e] + min(o, sizes[e] - 1)) for e, o in samples]
             xs = [jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.float32).astype(jnp.bfloat16)
                   for i in range(3)]
             poison = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
@@ -135,6 +157,15 @@ def main():
                     y = g / (1.0 + np.exp(-g)) * u
                 exact.append(y)
             exact = np.stack(exact)
+
+            def bad_rows(y, ref):
+                """Rows of ``y`` that are NaN or more than 1% (relative) off the table kernel's,
+                as (expert, row within it) for the first 8: where a tile's boundary bug shows."""
+                yf, rf = y.astype(jnp.float32), ref.astype(jnp.float32)
+                err = jnp.linalg.norm(yf - rf, axis=1) / (jnp.linalg.norm(rf, axis=1) + 1e-30)
+                bad = np.flatnonzero(np.asarray(jnp.isnan(err) | (err > 1e-2))[: int(sizes.sum())])
+                experts = np.searchsorted(np.cumsum(sizes), bad, side="right")
+                return int(bad.size), [(int(e), int(r - starts[e])) for e, r in zip(experts[:8], bad[:8])]
 
             def sampled_err(y):
                 got = np.asarray(y[np.array(sample_rows)].astype(jnp.float32), np.float64)
@@ -217,12 +248,14 @@ def main():
                         d = y.astype(jnp.float32) - ref.astype(jnp.float32)
                         rel = float(jnp.linalg.norm(d) / jnp.linalg.norm(ref.astype(jnp.float32)))
                     err64 = sampled_err(y)
-                    ok = nan_rows == 0 and (rel is not None and rel < 1e-2) and err64 < 1e-2
+                    n_bad, first_bad = bad_rows(y, ref) if ref is not None else (None, None)
+                    ok = nan_rows == 0 and (rel is not None and rel < 1e-2) and err64 < 1e-2 and n_bad == 0
                     med, n = timed(cand, xs_g)
                     record(shape=shape, rows=m, kernel=label, ms=round(med * 1e3, 3),
                            tflops=round(flops / med / 1e12, 1),
                            of_anchor=round(flops / med / anchor, 3) if anchor else None, iters=n,
-                           nan_rows=nan_rows, rel_frob_vs_table=rel, sampled_rel_err_f64=err64, correct=ok,
+                           nan_rows=nan_rows, bad_rows=n_bad, first_bad=first_bad, rel_frob_vs_table=rel,
+                           sampled_rel_err_f64=err64, correct=ok,
                            shared=int(kern.metadata.shared), compile_s=round(compile_s, 1))
                     del y
                 except Exception as e:  # noqa: BLE001
@@ -232,14 +265,15 @@ def main():
         del packed, scales_u8, w
 
     with open(os.path.join(args.out, "gluon_probe.md"), "w") as f:
-        f.write("| shape | rows | kernel | ms | TFLOP/s | of anchor | rel vs table | f64 sampled | NaN rows | note |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n")
+        f.write("| shape | rows | kernel | ms | TFLOP/s | of anchor | rel vs table | f64 sampled | NaN rows "
+                "| bad rows | note |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows_out:
             if r.get("kernel") == "env":
                 continue
             f.write(f"| {r['shape']} | {r.get('rows', '')} | {r['kernel']} | {r.get('ms', '')} | {r.get('tflops', '')} | "
                     f"{r.get('of_anchor', '')} | {r.get('rel_frob_vs_table', '')} | {r.get('sampled_rel_err_f64', '')} | "
-                    f"{r.get('nan_rows', '')} | {r.get('error', '')[:120]} |\n")
+                    f"{r.get('nan_rows', '')} | {r.get('bad_rows', '')} {r.get('first_bad') or ''} | "
+                    f"{r.get('error', '')[:120]} |\n")
     print(open(os.path.join(args.out, "gluon_probe.md")).read())
 
 

@@ -131,11 +131,11 @@ def main():
             if args.routing == "uniform":
                 sizes = np.full(E, base, np.int32)
                 sizes[: m - base * E] += 1
-                samples = list(zip((0, 1, 191, 383), (0, 169, 85, 100)))
+                samples = list(zip((0, 1, E // 2 - 1, E - 1), (0, 169, 85, 100)))
             else:
                 sizes = irregular_sizes(m)
                 # The last row of each kind of tile and of the largest expert (the highest id).
-                samples = [(e, int(sizes[e]) - 1) for e in (1, 3, 4, 6, 7, 10, 11, 383) if sizes[e]]
+                samples = [(e, int(sizes[e]) - 1) for e in (1, 3, 4, 6, 7, 10, 11, E - 1) if sizes[e]]
             group_sizes = jnp.asarray(sizes)
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             sample_experts = [e for e, _ in samples]

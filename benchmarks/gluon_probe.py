@@ -9,9 +9,12 @@ NaN-poisoned buffers; per candidate the relative Frobenius difference from the t
 rows more than 1% off it (the first as expert and row within it), the relative error of sampled
 rows (the highest expert among them) against float64 on the host, the NaN rows; the median of timed calls (x rotated
 over 3 copies, already in each kernel's ``permute_k`` order) after a warm-up; the dense anchor
-``[M, K] x [K, N]`` bf16 through XLA in the same run. ``--budget-s`` bounds the run.
+``[M, K] x [K, N]`` bf16 through XLA in the same run. ``--weights bf16``: random bf16 weights, the
+warp-specialized candidates' bf16 mode against ``triton_lang.bf16_matmul``. ``--budget-s`` bounds
+the run.
 
-    PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10] [--routing irregular]
+    PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10]
+        [--routing irregular] [--weights bf16]
 """
 
 from __future__ import annotations
@@ -50,6 +53,33 @@ def irregular_sizes(m: int) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
+def nvfp4_weights(jax, jnp, kw, ks, kg, n_w: int, k: int):
+    """Random NVFP4 weights ``[E, n_w, k]`` in ModelOpt's layout, generated on the device in 16
+    jitted chunks (the generators' 32-bit intermediates of one 5.6 GB draw do not fit). Codes as
+    ModelOpt's quantizer gives them for Gaussian weights (about 2 sigma per block at the top
+    code), not uniform bits: uniform codes toggle more bits, and on this board's power cap that
+    alone cost ~15% (the table kernel at 378 against 430-460 TFLOP/s)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    bounds = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], jnp.float32)
+
+    def gen_codes(key):
+        v = jax.random.normal(key, (E // 16, n_w, k // 2, 2), jnp.float32) * 2.0
+        code = (jnp.sum(jnp.abs(v)[..., None] > bounds, axis=-1).astype(jnp.uint8)
+                | jnp.where(v < 0, 8, 0).astype(jnp.uint8))
+        return code[..., 0] | (code[..., 1] << 4)
+
+    gen_w = jax.jit(gen_codes)
+    # E4M3 bits 0x30..0x3f: 2**-1 .. 2**0 * 1.875, positive, never NaN.
+    gen_s = jax.jit(lambda key: jax.random.randint(key, (E // 16, n_w, k // 16), 0x30, 0x40).astype(jnp.uint8))
+    packed = jnp.concatenate([gen_w(jax.random.fold_in(kw, c)) for c in range(16)])  # peak ~4 GB per chunk
+    scales_u8 = jnp.concatenate([gen_s(jax.random.fold_in(ks, c)) for c in range(16)])
+    global_e = jax.random.uniform(kg, (E,), jnp.float32, 0.5, 1.5) / np.sqrt(k)
+    jax.block_until_ready((packed, scales_u8))
+    return SimpleNamespace(packed=packed, scales=jax.lax.bitcast_convert_type(scales_u8, jnp.float8_e4m3fn),
+                           global_scale=global_e)
+
+
 def left(budget):
     return budget - (time.monotonic() - T0)
 
@@ -61,6 +91,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rows", type=int, nargs="*", default=[65536, 8192])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--weights", choices=("nvfp4", "bf16"), default="nvfp4",
+                    help="bf16: the ws candidates with bf16 weights against triton_lang.bf16_matmul")
     ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
                     help="irregular: experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile kind and "
                          "tiles past one per expert), the remainder on the last expert")
@@ -87,7 +119,6 @@ def main():
         from benchmarks import gluon_ws_kernel as wk
         from pallas_kernels.grouped_matmul import triton_lang
         from pallas_kernels.grouped_matmul.tuning import Op
-        from types import SimpleNamespace
     except Exception as e:  # noqa: BLE001
         record(shape="-", kernel="-", error=f"import: {type(e).__name__}: {e}")
         return
@@ -100,27 +131,24 @@ def main():
         n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
         key = jax.random.key(0 if shape == "gate_up" else 1)
         kw, ks, kg, kx = jax.random.split(key, 4)
-        # In 16 jitted chunks: the generators' 32-bit intermediates of one 5.6 GB draw do not fit.
-        # Codes as ModelOpt's quantizer gives them for Gaussian weights (about 2 sigma per block
-        # at the top code), not uniform bits: uniform codes toggle more bits, and on this board's
-        # power cap that alone cost ~15% (the table kernel at 378 against 430-460 TFLOP/s).
-        bounds = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], jnp.float32)
+        if args.weights == "bf16":
+            # In 8 jitted chunks, bf16 written directly (11-22 GB); the 1/sqrt(K) goes on x.
+            gen = jax.jit(lambda key: jax.random.normal(key, (E // 8, n_w, k), jnp.bfloat16))
+            w = jnp.concatenate([gen(jax.random.fold_in(kw, c)) for c in range(8)])
+            jax.block_until_ready(w)
+            x_scale = 1.0 / np.sqrt(k)
 
-        def gen_codes(key):
-            v = jax.random.normal(key, (E // 16, n_w, k // 2, 2), jnp.float32) * 2.0
-            code = jnp.sum(jnp.abs(v)[..., None] > bounds, axis=-1).astype(jnp.uint8) | jnp.where(v < 0, 8, 0).astype(
-                jnp.uint8)
-            return code[..., 0] | (code[..., 1] << 4)
+            def dense_e(e):
+                return np.asarray(w[e].astype(jnp.float32), np.float64)
+        else:
+            w = nvfp4_weights(jax, jnp, kw, ks, kg, n_w, k)
+            x_scale = 1.0
 
-        gen_w = jax.jit(gen_codes)
-        # E4M3 bits 0x30..0x3f: 2**-1 .. 2**0 * 1.875, positive, never NaN.
-        gen_s = jax.jit(lambda key: jax.random.randint(key, (E // 16, n_w, k // 16), 0x30, 0x40).astype(jnp.uint8))
-        packed = jnp.concatenate([gen_w(jax.random.fold_in(kw, c)) for c in range(16)])  # peak ~4 GB per chunk
-        scales_u8 = jnp.concatenate([gen_s(jax.random.fold_in(ks, c)) for c in range(16)])
-        global_e = jax.random.uniform(kg, (E,), jnp.float32, 0.5, 1.5) / np.sqrt(k)
-        w = SimpleNamespace(packed=packed, scales=jax.lax.bitcast_convert_type(scales_u8, jnp.float8_e4m3fn),
-                            global_scale=global_e)
-        jax.block_until_ready((packed, scales_u8))
+            def dense_e(e):
+                codes = np.asarray(w.packed[e])
+                vals = np.stack([E2M1[codes & 15], E2M1[codes >> 4]], axis=-1).reshape(n_w, k)
+                sc = np.asarray(w.scales[e].astype(jnp.float32), np.float64)
+                return vals * np.repeat(sc, 16, axis=1) * float(w.global_scale[e])
 
         for m in args.rows:
             if left(args.budget_s) < 30:
@@ -140,18 +168,14 @@ def main():
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             sample_experts = [e for e, _ in samples]
             sample_rows = [int(starts[e] + min(o, sizes[e] - 1)) for e, o in samples]
-            xs = [jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.float32).astype(jnp.bfloat16)
+            xs = [(jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.float32) * x_scale).astype(jnp.bfloat16)
                   for i in range(3)]
             poison = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
 
             x0 = np.asarray(xs[0][np.array(sample_rows)].astype(jnp.float32), np.float64)
             exact = []
             for r, e in enumerate(sample_experts):
-                codes = np.asarray(packed[e])
-                vals = np.stack([E2M1[codes & 15], E2M1[codes >> 4]], axis=-1).reshape(n_w, k)
-                sc = np.asarray(w.scales[e].astype(jnp.float32), np.float64)
-                we = vals * np.repeat(sc, 16, axis=1) * float(global_e[e])
-                y = we @ x0[r]
+                y = dense_e(e) @ x0[r]
                 if op is Op.GATE_UP_SWIGLU:
                     g, u = y[:n_out], y[n_out:]
                     y = g / (1.0 + np.exp(-g)) * u
@@ -201,17 +225,23 @@ def main():
 
             ref = None
             try:
-                bk = triton_lang.k_order(op, num_rows=m, num_experts=E, k=k, n_out=n_out, compute_capability=90)
-                xs_t = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, bk) for x in xs]
+                if args.weights == "bf16":
+                    bk, xs_t = 0, xs
 
-                def table(x, out=None, bk=bk):
-                    return triton_lang.run(op, x, w, group_sizes, compute_capability=90, out=out, x_k_order=bk)
+                    def table(x, out=None):
+                        return triton_lang.bf16_matmul(op, x, w, group_sizes, compute_capability=90, out=out)
+                else:
+                    bk = triton_lang.k_order(op, num_rows=m, num_experts=E, k=k, n_out=n_out, compute_capability=90)
+                    xs_t = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, bk) for x in xs]
+
+                    def table(x, out=None, bk=bk):
+                        return triton_lang.run(op, x, w, group_sizes, compute_capability=90, out=out, x_k_order=bk)
 
                 ref = jax.block_until_ready(table(xs_t[0], out=poison.copy()))
                 nan_rows = int(jnp.sum(jnp.any(jnp.isnan(ref), axis=1)))
                 err64 = sampled_err(ref)
                 med, n = timed(table, xs_t)
-                record(shape=shape, rows=m, kernel="table (triton_lang W4A16)", ms=round(med * 1e3, 3),
+                record(shape=shape, rows=m, kernel=f"table (triton_lang {args.weights})", ms=round(med * 1e3, 3),
                        tflops=round(flops / med / 1e12, 1), of_anchor=round(flops / med / anchor, 3) if anchor else None,
                        iters=n, nan_rows=nan_rows, sampled_rel_err_f64=err64)
                 del xs_t
@@ -227,18 +257,28 @@ def main():
                     t0 = time.monotonic()
                     kind = tile.get("kind", "swap_ab")
                     tile = {key: v for key, v in tile.items() if key != "kind"}
-                    spec_type, matmul = {"ss": (gk.SsSpec, gk.ss_matmul), "ws": (wk.WsSpec, wk.ws_matmul),
-                                         "swap_ab": (gk.GluonSpec, gk.w4a16_matmul)}[kind]
-                    spec = spec_type(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, **tile)
-                    kern = gk.compile_kernel(spec)
-                    # The ss kernel reads x in natural column order, the others in permute_k's.
-                    ss = kind == "ss"
-                    xs_g = xs if ss else [jax.jit(triton_lang.permute_k, static_argnums=1)(x, spec.block_k) for x in xs]
+                    if args.weights == "bf16":
+                        if kind != "ws":
+                            raise ValueError(f"{kind}: an NVFP4 candidate (--weights bf16 runs the ws ones)")
+                        spec = wk.WsSpec(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, bf16=True, **tile)
+                        xs_g = xs
 
-                    def cand(x, out=None, tile=tile, ss=ss, matmul=matmul):
-                        if ss:
-                            return matmul(op, x, w, group_sizes, out=out, **tile)
-                        return matmul(op, x, w, group_sizes, out=out, permuted=True, **tile)
+                        def cand(x, out=None, tile=tile):
+                            return wk.ws_bf16_matmul(op, x, w, group_sizes, out=out, **tile)
+                    else:
+                        spec_type, matmul = {"ss": (gk.SsSpec, gk.ss_matmul), "ws": (wk.WsSpec, wk.ws_matmul),
+                                             "swap_ab": (gk.GluonSpec, gk.w4a16_matmul)}[kind]
+                        spec = spec_type(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, **tile)
+                        # The ss kernel reads x in natural column order, the others in permute_k's.
+                        natural = kind == "ss"
+                        xs_g = xs if natural else [jax.jit(triton_lang.permute_k, static_argnums=1)(x, spec.block_k)
+                                                   for x in xs]
+
+                        def cand(x, out=None, tile=tile, matmul=matmul, natural=natural):
+                            if natural:
+                                return matmul(op, x, w, group_sizes, out=out, **tile)
+                            return matmul(op, x, w, group_sizes, out=out, permuted=True, **tile)
+                    kern = gk.compile_kernel(spec)
                     compile_s = time.monotonic() - t0
 
                     y = jax.block_until_ready(cand(xs_g[0], out=poison.copy()))
@@ -262,7 +302,7 @@ def main():
                     record(shape=shape, rows=m, kernel=label, error=f"{type(e).__name__}: {str(e)[:600]}",
                            trace=traceback.format_exc()[-1500:])
             del xs, poison, ref
-        del packed, scales_u8, w
+        del w
 
     with open(os.path.join(args.out, "gluon_probe.md"), "w") as f:
         f.write("| shape | rows | kernel | ms | TFLOP/s | of anchor | rel vs table | f64 sampled | NaN rows "

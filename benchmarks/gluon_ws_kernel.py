@@ -30,6 +30,10 @@ sorted by expert in ``triton_lang.permute_k`` column order, tiles of at most 192
 expert (``pallas_triton.tile_schedule``), float32 accumulation, the global scales and SwiGLU on the
 accumulator, bf16 out. The x descriptor is made on the device, in Triton's global scratch, which
 ``gluon_probe_kernel``'s launch primitive passes.
+
+``WsSpec(bf16=True)`` is the same schedule for bf16 weights (``triton_lang.bf16_matmul``'s
+contract, x in natural column order): the producer loads the weight tile by TMA too, and each
+consumer multiplies its 64 rows from shared memory (both ``wgmma`` operands there).
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ CONSUMER_WARPS = gl.constexpr(4)
 
 @gluon.jit
 def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_in_ptr,
-               out_ptr, NUM_ROWS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr,
-               G: gl.constexpr, FUSED: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr,
-               GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               out_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+               N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, NUM_TILES: gl.constexpr,
+               BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
                S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
     # Output columns per tile: 2 x 32 (fused: 64 MMA rows per group hold 32 gate and 32 up rows) or 2 x 64.
@@ -65,47 +69,55 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
         expert = gl.load(tile_expert_ptr + t).to(gl.int64)
         rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
         if rows <= 64:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
-                     N_OUT, N_W, G, FUSED, 64, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
-                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
+                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 64, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
+                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
         elif rows <= 128:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
-                     N_OUT, N_W, G, FUSED, 128, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
-                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
+                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 128, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
+                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
         else:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS, K,
-                     N_OUT, N_W, G, FUSED, 128, 64, BLOCK_K, NUM_STAGES, CONSUMER_REGS, PRODUCER_REGS, WORDS, SCALES,
-                     W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
+            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
+                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 128, 64, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
+                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
 
 
 @gluon.jit
 def _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS: gl.constexpr,
-             K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
-             BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
-             W_COPY: gl.constexpr, S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr,
-             STORE: gl.constexpr):
+             NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, G: gl.constexpr,
+             FUSED: gl.constexpr, BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr,
+             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+             PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
+             S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
     """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x
     output tile ``j``: the ring, its barriers and the three partitions. The ``EXTRA_M`` rows (if
     any) are a second MMA against the same weight operand (shapes are powers of two)."""
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_M, BLOCK_K], X_SMEM)
     x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, EXTRA_M if EXTRA_M > 0 else 8, BLOCK_K], X_SMEM)
-    w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 8], PLAIN_SMEM)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 16], PLAIN_SMEM)
+    if BF16:  # the weight tile as stored, swizzled for wgmma; no scales
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K], X_SMEM)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
+    else:
+        w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 8], PLAIN_SMEM)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 16], PLAIN_SMEM)
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        # full: the TMA's expect-arrive and the producer warp's 32 cp.async arrivals; empty: both consumers.
-        mbarrier.init(full.index(s), count=33)
+        # full: the TMA's expect-arrive (and for W4A16 the producer warp's 32 cp.async arrivals);
+        # empty: both consumers.
+        mbarrier.init(full.index(s), count=1 if BF16 else 33)
         mbarrier.init(empty.index(s), count=2)
     # (Tuples written out: a tuple of constexpr layouts built in a jit function would become tensors.)
     gl.warp_specialize([
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
-                     out_ptr, K, N_OUT, G, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE, 0)),
+                     out_ptr, K, N_OUT, G, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE,
+                     0)),
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
-                     out_ptr, K, N_OUT, G, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE, 1)),
+                     out_ptr, K, N_OUT, G, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE,
+                     1)),
         (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
-                     NUM_ROWS, K, N_OUT, N_W, FUSED, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, W_COPY, S_COPY)),
+                     NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES,
+                     W_COPY, S_COPY)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -124,85 +136,147 @@ def _weight_row(r, j, N_OUT: gl.constexpr, FUSED: gl.constexpr):
 
 @gluon.jit
 def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
-              NUM_ROWS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr,
-              BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-              W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+              NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+              N_W: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, BLOCK_M: gl.constexpr,
+              EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr,
+              S_COPY: gl.constexpr):
     x_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
                                         block_shape=[BLOCK_M, BLOCK_K], layout=x_smem.type.layout)
     if EXTRA_M > 0:
         x2_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
                                              block_shape=[EXTRA_M, BLOCK_K], layout=x2_smem.type.layout)
-    wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
-    w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
-            + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
-               + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
-    sr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, S_COPY))
-    s_at = (w_scale_ptr + expert * (N_W * (K // 16))
-            + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
-               + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+    if BF16:
+        _bf16_weight_loop(x_desc, x2_desc if EXTRA_M > 0 else x_desc, x_smem, x2_smem, w_smem, full, empty,
+                          row_start, expert, j, w_ptr, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BLOCK_M, EXTRA_M, BLOCK_K,
+                          NUM_STAGES)
+    else:
+        wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
+        w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
+                + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
+                   + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
+        sr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, S_COPY))
+        s_at = (w_scale_ptr + expert * (N_W * (K // 16))
+                + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
+                   + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+        for i in range(K // BLOCK_K):
+            stage = i % NUM_STAGES
+            # A fresh barrier counts as having completed the phase before its first: the first lap passes.
+            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+            bar = full.index(stage)
+            _x_loads(x_desc, x2_desc if EXTRA_M > 0 else x_desc, x_smem, x2_smem, bar, stage, row_start, i, 0,
+                     BLOCK_M, EXTRA_M, BLOCK_K)
+            cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
+            cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * (BLOCK_K // 16))
+            cp.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _x_loads(x_desc, x2_desc, x_smem, x2_smem, bar, stage, row_start, i, W_BYTES: gl.constexpr,
+             BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Step ``i``'s token tile by TMA into ``stage``, announced to ``bar`` with ``W_BYTES`` more
+    (the weights' TMA bytes, if any)."""
+    mbarrier.expect(bar, (BLOCK_M + EXTRA_M) * BLOCK_K * 2 + W_BYTES)
+    tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar, x_smem.index(stage))
+    if EXTRA_M > 0:
+        tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
+
+
+@gluon.jit
+def _bf16_weight_loop(x_desc, x2_desc, x_smem, x2_smem, w_smem, full, empty, row_start, expert, j, w_ptr,
+                      NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr,
+                      FUSED: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+    """The bf16 producer: the token tile and the tile's 128 weight rows by TMA, in the consumers'
+    MMA row order. Fused: each 16-row slab is 8 gate rows and the 8 up rows of the same output
+    columns, one ``[2, 8, BLOCK_K]`` box of the ``[E * 2, N_OUT, K]`` view (rows of half ``h`` of
+    expert ``e`` at ``2 e + h``); the 128-byte swizzle repeats every 8 rows, so the slabs land as
+    the rows of one ``[128, BLOCK_K]`` tile."""
+    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2
+    SLAB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    w_bf16 = w_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+    if FUSED:
+        w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * 2, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                            block_shape=[2, 8, BLOCK_K], layout=SLAB)
+    else:
+        w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * N_W, K], strides=[K, 1],
+                                            block_shape=[WG_ROWS, BLOCK_K], layout=w_smem.type.layout)
     for i in range(K // BLOCK_K):
         stage = i % NUM_STAGES
         # A fresh barrier counts as having completed the phase before its first: the first lap passes.
         mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
         bar = full.index(stage)
-        mbarrier.expect(bar, (BLOCK_M + EXTRA_M) * BLOCK_K * 2)
-        tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar, x_smem.index(stage))
-        if EXTRA_M > 0:
-            tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
-        cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
-        cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * (BLOCK_K // 16))
-        cp.mbarrier_arrive(bar, increment_count=False)
+        _x_loads(x_desc, x2_desc, x_smem, x2_smem, bar, stage, row_start, i, W_BYTES, BLOCK_M, EXTRA_M, BLOCK_K)
+        w_stage = w_smem.index(stage)
+        if FUSED:
+            for slab in gl.static_range(2 * WG_ROWS // 16):  # 4 per consumer, consumer-major
+                column = j * WG_ROWS + (slab // 4) * (WG_ROWS // 2) + (slab % 4) * 8
+                dst = w_stage.slice(slab * 16, 16, dim=0)._reinterpret(gl.bfloat16, [2, 8, BLOCK_K], SLAB)
+                tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * 2, column, i * BLOCK_K], bar, dst)
+        else:
+            for wg in gl.static_range(2):
+                row = expert.to(gl.int32) * N_W + j * (2 * WG_ROWS) + wg * WG_ROWS
+                tma.async_copy_global_to_shared(w_desc, [row, i * BLOCK_K], bar,
+                                                w_stage.slice(wg * WG_ROWS, WG_ROWS, dim=0))
 
 
 @gluon.jit
 def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr, out_ptr,
-              K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
-              EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, WORDS: gl.constexpr,
-              SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
+              K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr,
+              BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+              WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                    instr_shape=[16, BLOCK_M, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     M2: gl.constexpr = EXTRA_M if EXTRA_M > 0 else BLOCK_M
     MMA2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                     instr_shape=[16, M2, 16])
-    A2_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
     acc = gl.zeros((WG_ROWS, BLOCK_M), gl.float32, layout=MMA)
     acc2 = gl.zeros((WG_ROWS, M2), gl.float32, layout=MMA2)
     a_prev = gl.zeros((WG_ROWS, BLOCK_K), gl.bfloat16, layout=A_LAYOUT)
     for i in range(K // BLOCK_K):
         stage = i % NUM_STAGES
         mbarrier.wait(full.index(stage), (i // NUM_STAGES) & 1)
-        words = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(WORDS)
-        scales = s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES)
-        a = _dequantize(words, scales, WG_ROWS, BLOCK_K, WORDS, A_LAYOUT)
+        w_mine = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0)
+        if BF16:  # the weight tile from shared memory
+            a = w_mine
+        else:  # dequantized into the register operand
+            a = _dequantize(w_mine.load(WORDS), s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES),
+                            WG_ROWS, BLOCK_K, WORDS, A_LAYOUT)
         acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        # Step i - 1's MMAs are done after the wait (its register operand lived until here): its stage is free.
+        # Step i - 1's MMAs are done after the wait (a register operand lived until here): its stage is free.
         if EXTRA_M > 0:
-            a2 = gl.convert_layout(a, A2_LAYOUT, assert_trivial=True)
+            if BF16:
+                a2 = a
+            else:
+                a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2),
+                                       assert_trivial=True)
             acc2 = warpgroup_mma(a2, x2_smem.index(stage).permute((1, 0)), acc2, is_async=True)
             acc, acc2, a_prev = warpgroup_mma_wait(2, deps=[acc, acc2, a_prev])
         else:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
         mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
-        a_prev = a
+        if not BF16:
+            a_prev = a
     acc = warpgroup_mma_wait(0, deps=[acc])
-    _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BLOCK_M, MMA, STORE, WG)
+    _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16, BLOCK_M, MMA,
+              STORE, WG)
     if EXTRA_M > 0:
         acc2 = warpgroup_mma_wait(0, deps=[acc2])
-        _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, EXTRA_M,
-                  MMA2, STORE, WG)
+        _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16,
+                  EXTRA_M, MMA2, STORE, WG)
 
 
 @gluon.jit
 def _epilogue(acc, row_start, row_end, m0: gl.constexpr, expert, j, w_global_ptr, out_ptr, N_OUT: gl.constexpr,
-              G: gl.constexpr, FUSED: gl.constexpr, N: gl.constexpr, MMA: gl.constexpr, STORE: gl.constexpr,
-              WG: gl.constexpr):
+              G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, N: gl.constexpr, MMA: gl.constexpr,
+              STORE: gl.constexpr, WG: gl.constexpr):
     """Scales the ``[64, N]`` accumulator (weight rows x token rows ``m0 + [0, N)`` of the
     tile), applies SwiGLU (fused) and stores the token rows before ``row_end``."""
-    r = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
-    half_r = (r // 8) % 2 if FUSED else r * 0  # gate 0, up 1
-    # The global scales (per expert, per half of the fused op) and the 2**7 the operand is short of.
-    acc = acc * (gl.load(w_global_ptr + expert * G + half_r * (G - 1)) * 128.0)[:, None]
+    if not BF16:
+        r = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
+        half_r = (r // 8) % 2 if FUSED else r * 0  # gate 0, up 1
+        # The global scales (per expert, per half of the fused op) and the 2**7 the operand is short of.
+        acc = acc * (gl.load(w_global_ptr + expert * G + half_r * (G - 1)) * 128.0)[:, None]
     if FUSED:
         # [slab, half, 8, N] -> gate and up [slab, 8, N]: the half is a register bit of each thread.
         gate, up = gl.split(gl.permute(gl.reshape(acc, (4, 2, 8, N)), (0, 2, 3, 1)))
@@ -262,6 +336,8 @@ class WsSpec(_Spec):
     #: follows (3 warp groups share the 64K registers).
     consumer_regs: int = 232
     producer_regs: int = 40
+    #: bf16 weights ``[E, N_W, K]`` read as stored (``triton_lang.bf16_matmul``'s contract), not NVFP4.
+    bf16: bool = False
     kernel = _ws_kernel
 
     @property
@@ -277,8 +353,9 @@ class WsSpec(_Spec):
         return dict(super().compile_options(), maxnreg=(2 * self.consumer_regs + self.producer_regs) // 3)
 
     def constexprs(self) -> dict:
-        return dict(super().constexprs(), NUM_ROWS=self.num_rows, CONSUMER_REGS=self.consumer_regs,
-                    PRODUCER_REGS=self.producer_regs, **ws_layouts(block_k=self.block_k, fused=self.fused))
+        return dict(super().constexprs(), NUM_ROWS=self.num_rows, NUM_EXPERTS=self.num_experts, BF16=self.bf16,
+                    CONSUMER_REGS=self.consumer_regs, PRODUCER_REGS=self.producer_regs,
+                    **ws_layouts(block_k=self.block_k, fused=self.fused))
 
 
 def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = False, **tile):
@@ -292,4 +369,21 @@ def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = Fals
     return _matmul(WsSpec, op, x_mk, w, group_sizes_e, out, **tile)
 
 
-__all__ = ["WsSpec", "ws_layouts", "ws_matmul"]
+def ws_bf16_matmul(op: Op, x_mk, w_enk, group_sizes_e, *, out=None, **tile):
+    """``triton_lang.bf16_matmul``'s contract (``transpose_w`` False, SM90) through
+    :func:`_ws_kernel` with bf16 weights ``[E, N_W, K]``; ``tile``: :class:`WsSpec`'s fields."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from benchmarks.gluon_probe_kernel import launch  # noqa: PLC0415
+
+    m, k = x_mk.shape
+    e, n_w, _ = w_enk.shape
+    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    spec = WsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, bf16=True, **tile)
+    if out is None:
+        out = jnp.zeros((m, n_out), jnp.bfloat16)
+    # One-element placeholders for the scales bf16 never reads keep one kernel signature.
+    return launch(spec, group_sizes_e, x_mk, w_enk, jnp.zeros((1,), jnp.uint8), jnp.ones((e, 1), jnp.float32), out)
+
+
+__all__ = ["WsSpec", "ws_bf16_matmul", "ws_layouts", "ws_matmul"]

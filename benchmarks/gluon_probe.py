@@ -31,6 +31,7 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 CANDIDATES = [("ws bk64 s4", dict(kind="ws", block_k=64, num_stages=4)),
+              ("ws bk64 s4 persistent", dict(kind="ws", block_k=64, num_stages=4, persistent=132)),
               ("ws bk64 s4 group_t 4", dict(kind="ws", block_k=64, num_stages=4, group_t=4)),
               ("ss bk64 s4", dict(kind="ss", block_k=64, num_stages=4)),
               ("ss bk64 s4 group_t 4", dict(kind="ss", block_k=64, num_stages=4, group_t=4)),

@@ -64,10 +64,10 @@ NUM_WARPS = gl.constexpr(8)  # two warp groups: weight rows [0, 64) and [64, 128
 
 
 @gluon.jit
-def _program_tile(NUM_TILES: gl.constexpr, NUM_COLUMN_TILES: gl.constexpr, GROUP_T: gl.constexpr):
-    """``triton_lang._program_tile``: GROUP_T row tiles per column tile, back to back."""
+def _program_tile(pid, NUM_TILES: gl.constexpr, NUM_COLUMN_TILES: gl.constexpr, GROUP_T: gl.constexpr):
+    """``triton_lang._program_tile`` of work item ``pid``: GROUP_T row tiles per column tile,
+    back to back."""
     per_group: gl.constexpr = GROUP_T * NUM_COLUMN_TILES
-    pid = gl.program_id(0)
     first_t = (pid // per_group) * GROUP_T
     rows_here = gl.minimum(NUM_TILES - first_t, GROUP_T)
     local = pid % per_group
@@ -121,7 +121,7 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale
             NUM_STAGES: gl.constexpr, OUT_K_ORDER: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
             X_LOAD: gl.constexpr, W_LOAD: gl.constexpr, S_LOAD: gl.constexpr, X_SMEM: gl.constexpr,
             PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr, ABLATE: gl.constexpr):
-    t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
+    t, j = _program_tile(gl.program_id(0), NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
     row_start = gl.load(tile_start_ptr + t)
     row_end = gl.load(tile_end_ptr + t)
     if row_start < row_end:
@@ -349,7 +349,7 @@ def _ss_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
                W_LOAD: gl.constexpr, S_LOAD: gl.constexpr, X_SMEM: gl.constexpr, W_SMEM: gl.constexpr,
                PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
     BLOCK_N: gl.constexpr = SS_N // 2 if FUSED else SS_N  # output columns per tile
-    t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
+    t, j = _program_tile(gl.program_id(0), NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
     row_start = gl.load(tile_start_ptr + t)
     row_end = gl.load(tile_end_ptr + t)
     if row_start < row_end:

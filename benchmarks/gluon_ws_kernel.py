@@ -6,7 +6,10 @@ after measuring the two lockstep candidates of ``gluon_probe_kernel``: there all
 dequantize and multiply, and the CTA barriers of every K step stall all of them (Nsight Compute:
 1.83 barrier stalls per issued instruction, 0.46 eligible warps per scheduler).
 
-Here no CTA barrier is in the K loop. Three partitions share a ring of ``NUM_STAGES`` buffers:
+Here no CTA barrier is in the K loop. Three partitions share a ring of ``NUM_STAGES`` buffers, and
+each walks the same work items (tile x output columns): one per program, or, with
+``WsSpec(persistent=...)``, every ``num_programs``-th from its own, so the producer loads the next
+tile while the consumers write the last:
 
 * a **producer** warp: per K step, the activation tile by TMA (``[N, BLOCK_K]`` token rows,
   128-byte swizzle, zero-filled past the last row) and the packed words and E4M3 scales of the
@@ -60,40 +63,12 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
                BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
                S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
-    # Output columns per tile: 2 x 32 (fused: 64 MMA rows per group hold 32 gate and 32 up rows) or 2 x 64.
-    TILE_N: gl.constexpr = WG_ROWS if FUSED else 2 * WG_ROWS
-    t, j = _program_tile(NUM_TILES, N_OUT // TILE_N, GROUP_T)
-    row_start = gl.load(tile_start_ptr + t)
-    row_end = gl.load(tile_end_ptr + t)
-    if row_start < row_end:
-        expert = gl.load(tile_expert_ptr + t).to(gl.int64)
-        rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
-        if rows <= 64:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
-                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 64, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
-                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
-        elif rows <= 128:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
-                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 128, 0, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
-                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
-        else:
-            _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS,
-                     NUM_EXPERTS, K, N_OUT, N_W, G, FUSED, BF16, 128, 64, BLOCK_K, NUM_STAGES, CONSUMER_REGS,
-                     PRODUCER_REGS, WORDS, SCALES, W_COPY, S_COPY, X_SMEM, PLAIN_SMEM, STORE)
-
-
-@gluon.jit
-def _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr, NUM_ROWS: gl.constexpr,
-             NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, G: gl.constexpr,
-             FUSED: gl.constexpr, BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr,
-             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-             PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
-             S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
-    """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x
-    output tile ``j``: the ring, its barriers and the three partitions. The ``EXTRA_M`` rows (if
-    any) are a second MMA against the same weight operand (shapes are powers of two)."""
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_M, BLOCK_K], X_SMEM)
-    x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, EXTRA_M if EXTRA_M > 0 else 8, BLOCK_K], X_SMEM)
+    """One ring and three partitions per program; each partition walks the same work items
+    (``program_id``, then every ``num_programs``-th: one item when the grid has one program per
+    item, persistent when it has one per SM), so the producer loads the next tile while the
+    consumers finish the last one."""
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 128, BLOCK_K], X_SMEM)
+    x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, BLOCK_K], X_SMEM)
     if BF16:  # the weight tile as stored, swizzled for wgmma; no scales
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K], X_SMEM)
         s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
@@ -109,16 +84,32 @@ def _ws_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_
         mbarrier.init(empty.index(s), count=2)
     # (Tuples written out: a tuple of constexpr layouts built in a jit function would become tensors.)
     gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
-                     out_ptr, K, N_OUT, G, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE,
-                     0)),
-        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr,
-                     out_ptr, K, N_OUT, G, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES, WORDS, SCALES, STORE,
-                     1)),
-        (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
-                     NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BF16, BLOCK_M, EXTRA_M, BLOCK_K, NUM_STAGES,
-                     W_COPY, S_COPY)),
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
+                     SCALES, STORE, 0)),
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
+                     SCALES, STORE, 1)),
+        (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                     x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BF16, NUM_TILES,
+                     BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT: gl.constexpr, FUSED: gl.constexpr,
+          NUM_TILES: gl.constexpr, GROUP_T: gl.constexpr):
+    """Work item ``item``: its expert (int64), first row, the end of the expert's rows, column tile."""
+    # Output columns per tile: 2 x 32 (fused: 64 MMA rows per group hold 32 gate and 32 up rows) or 2 x 64.
+    TILE_N: gl.constexpr = WG_ROWS if FUSED else 2 * WG_ROWS
+    t, j = _program_tile(item, NUM_TILES, N_OUT // TILE_N, GROUP_T)
+    return (gl.load(tile_expert_ptr + t).to(gl.int64), gl.load(tile_start_ptr + t), gl.load(tile_end_ptr + t), j)
+
+
+@gluon.jit
+def _num_items(N_OUT: gl.constexpr, FUSED: gl.constexpr, NUM_TILES: gl.constexpr):
+    TILE_N: gl.constexpr = WG_ROWS if FUSED else 2 * WG_ROWS
+    return NUM_TILES * (N_OUT // TILE_N)
 
 
 @gluon.jit
@@ -134,22 +125,58 @@ def _weight_row(r, j, N_OUT: gl.constexpr, FUSED: gl.constexpr):
         return j * (2 * WG_ROWS) + r
 
 
+# --- the producer ----------------------------------------------------------------------------
+
 @gluon.jit
-def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j, x_ptr, w_ptr, w_scale_ptr,
-              NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
-              N_W: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, BLOCK_M: gl.constexpr,
-              EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr,
-              S_COPY: gl.constexpr):
-    x_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
-                                        block_shape=[BLOCK_M, BLOCK_K], layout=x_smem.type.layout)
-    if EXTRA_M > 0:
-        x2_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1],
-                                             block_shape=[EXTRA_M, BLOCK_K], layout=x2_smem.type.layout)
+def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr,
+              w_ptr, w_scale_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr,
+              N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr,
+              NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr,
+              W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+    # Token tiles of 64 rows (the 64-row tile and the extra 64 of a 192-row one) and of 128.
+    x64_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1], block_shape=[64, BLOCK_K],
+                                          layout=x2_smem.type.layout)
+    x128_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1], block_shape=[128, BLOCK_K],
+                                           layout=x_smem.type.layout)
     if BF16:
-        _bf16_weight_loop(x_desc, x2_desc if EXTRA_M > 0 else x_desc, x_smem, x2_smem, w_smem, full, empty,
-                          row_start, expert, j, w_ptr, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BLOCK_M, EXTRA_M, BLOCK_K,
-                          NUM_STAGES)
+        SLAB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        w_bf16 = w_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        if FUSED:  # rows of half h of expert e at 2 e + h
+            w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * 2, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                                block_shape=[2, 8, BLOCK_K], layout=SLAB)
+        else:
+            w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * N_W, K], strides=[K, 1],
+                                                block_shape=[WG_ROWS, BLOCK_K], layout=w_smem.type.layout)
     else:
+        w_desc = x64_desc  # unused
+    it = 0  # K steps issued so far: the ring's position
+    for item in range(gl.program_id(0), _num_items(N_OUT, FUSED, NUM_TILES), gl.num_programs(0)):
+        expert, row_start, row_end, j = _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT, FUSED,
+                                              NUM_TILES, GROUP_T)
+        rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
+        if rows > 0:
+            if rows <= 64:
+                it = _produce_tile(x64_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 64, 0,
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+            elif rows <= 128:
+                it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 128, 0,
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+            else:
+                it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 128, 64,
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+
+
+@gluon.jit
+def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, expert, j,
+                  w_ptr, w_scale_ptr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr,
+                  BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+    """Every K step of one tile into the ring from position ``it``; returns the position after."""
+    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if BF16 else 0  # the weights' TMA bytes
+    if not BF16:  # the words' and scales' addresses, in the consumers' MMA row order
         wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
         w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
                 + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
@@ -158,72 +185,84 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, expert, j
         s_at = (w_scale_ptr + expert * (N_W * (K // 16))
                 + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
                    + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
-        for i in range(K // BLOCK_K):
-            stage = i % NUM_STAGES
-            # A fresh barrier counts as having completed the phase before its first: the first lap passes.
-            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-            bar = full.index(stage)
-            _x_loads(x_desc, x2_desc if EXTRA_M > 0 else x_desc, x_smem, x2_smem, bar, stage, row_start, i, 0,
-                     BLOCK_M, EXTRA_M, BLOCK_K)
+    for i in range(K // BLOCK_K):
+        stage = it % NUM_STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first lap passes.
+        mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+        bar = full.index(stage)
+        mbarrier.expect(bar, (BLOCK_M + EXTRA_M) * BLOCK_K * 2 + W_BYTES)
+        tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar,
+                                        x_smem.index(stage).slice(0, BLOCK_M, dim=0))
+        if EXTRA_M > 0:
+            tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
+        if BF16:
+            _bf16_weight_loads(w_desc, w_smem.index(stage), bar, expert, j, i, N_W, FUSED, BLOCK_K)
+        else:
             cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
             cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * (BLOCK_K // 16))
             cp.mbarrier_arrive(bar, increment_count=False)
+        it += 1
+    return it
 
 
 @gluon.jit
-def _x_loads(x_desc, x2_desc, x_smem, x2_smem, bar, stage, row_start, i, W_BYTES: gl.constexpr,
-             BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Step ``i``'s token tile by TMA into ``stage``, announced to ``bar`` with ``W_BYTES`` more
-    (the weights' TMA bytes, if any)."""
-    mbarrier.expect(bar, (BLOCK_M + EXTRA_M) * BLOCK_K * 2 + W_BYTES)
-    tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar, x_smem.index(stage))
-    if EXTRA_M > 0:
-        tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
-
-
-@gluon.jit
-def _bf16_weight_loop(x_desc, x2_desc, x_smem, x2_smem, w_smem, full, empty, row_start, expert, j, w_ptr,
-                      NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr,
-                      FUSED: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                      NUM_STAGES: gl.constexpr):
-    """The bf16 producer: the token tile and the tile's 128 weight rows by TMA, in the consumers'
-    MMA row order. Fused: each 16-row slab is 8 gate rows and the 8 up rows of the same output
-    columns, one ``[2, 8, BLOCK_K]`` box of the ``[E * 2, N_OUT, K]`` view (rows of half ``h`` of
-    expert ``e`` at ``2 e + h``); the 128-byte swizzle repeats every 8 rows, so the slabs land as
-    the rows of one ``[128, BLOCK_K]`` tile."""
-    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2
-    SLAB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    w_bf16 = w_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
+def _bf16_weight_loads(w_desc, w_stage, bar, expert, j, i, N_W: gl.constexpr, FUSED: gl.constexpr,
+                       BLOCK_K: gl.constexpr):
+    """K step ``i`` of the tile's 128 bf16 weight rows by TMA, in the consumers' MMA row order.
+    Fused: each 16-row slab is 8 gate rows and the 8 up rows of the same output columns, one
+    ``[2, 8, BLOCK_K]`` box of the ``[E * 2, N_OUT, K]`` view; the 128-byte swizzle repeats every
+    8 rows, so the slabs land as the rows of one swizzled ``[128, BLOCK_K]`` tile."""
     if FUSED:
-        w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * 2, N_OUT, K], strides=[N_OUT * K, K, 1],
-                                            block_shape=[2, 8, BLOCK_K], layout=SLAB)
+        SLAB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        for slab in gl.static_range(2 * WG_ROWS // 16):  # 4 per consumer, consumer-major
+            column = j * WG_ROWS + (slab // 4) * (WG_ROWS // 2) + (slab % 4) * 8
+            dst = w_stage.slice(slab * 16, 16, dim=0)._reinterpret(gl.bfloat16, [2, 8, BLOCK_K], SLAB)
+            tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * 2, column, i * BLOCK_K], bar, dst)
     else:
-        w_desc = tma.make_tensor_descriptor(w_bf16, shape=[NUM_EXPERTS * N_W, K], strides=[K, 1],
-                                            block_shape=[WG_ROWS, BLOCK_K], layout=w_smem.type.layout)
-    for i in range(K // BLOCK_K):
-        stage = i % NUM_STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first lap passes.
-        mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        bar = full.index(stage)
-        _x_loads(x_desc, x2_desc, x_smem, x2_smem, bar, stage, row_start, i, W_BYTES, BLOCK_M, EXTRA_M, BLOCK_K)
-        w_stage = w_smem.index(stage)
-        if FUSED:
-            for slab in gl.static_range(2 * WG_ROWS // 16):  # 4 per consumer, consumer-major
-                column = j * WG_ROWS + (slab // 4) * (WG_ROWS // 2) + (slab % 4) * 8
-                dst = w_stage.slice(slab * 16, 16, dim=0)._reinterpret(gl.bfloat16, [2, 8, BLOCK_K], SLAB)
-                tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * 2, column, i * BLOCK_K], bar, dst)
-        else:
-            for wg in gl.static_range(2):
-                row = expert.to(gl.int32) * N_W + j * (2 * WG_ROWS) + wg * WG_ROWS
-                tma.async_copy_global_to_shared(w_desc, [row, i * BLOCK_K], bar,
-                                                w_stage.slice(wg * WG_ROWS, WG_ROWS, dim=0))
+        for wg in gl.static_range(2):
+            row = expert.to(gl.int32) * N_W + j * (2 * WG_ROWS) + wg * WG_ROWS
+            tma.async_copy_global_to_shared(w_desc, [row, i * BLOCK_K], bar, w_stage.slice(wg * WG_ROWS, WG_ROWS,
+                                                                                           dim=0))
+
+
+# --- the consumers ---------------------------------------------------------------------------
+
+@gluon.jit
+def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+              w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
+              BF16: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
+              NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
+              WG: gl.constexpr):
+    it = 0  # K steps consumed so far: the ring's position
+    for item in range(gl.program_id(0), _num_items(N_OUT, FUSED, NUM_TILES), gl.num_programs(0)):
+        expert, row_start, row_end, j = _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT, FUSED,
+                                              NUM_TILES, GROUP_T)
+        rows = row_end - row_start
+        if rows > 0:
+            if rows <= 64:
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 64, 0, BLOCK_K, NUM_STAGES,
+                                   WORDS, SCALES, STORE, WG)
+            elif rows <= 128:
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 128, 0, BLOCK_K, NUM_STAGES,
+                                   WORDS, SCALES, STORE, WG)
+            else:
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 128, 64, BLOCK_K, NUM_STAGES,
+                                   WORDS, SCALES, STORE, WG)
 
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, expert, j, w_global_ptr, out_ptr,
-              K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr,
-              BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-              WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
+def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j, w_global_ptr,
+                  out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
+                  BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
+                  WG: gl.constexpr):
+    """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x this
+    consumer's 64 weight rows of output tile ``j``, from ring position ``it``; the ``EXTRA_M``
+    rows (if any) are a second MMA against the same weight operand (shapes are powers of two).
+    Returns the position after the tile."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                    instr_shape=[16, BLOCK_M, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -234,16 +273,17 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, 
     acc2 = gl.zeros((WG_ROWS, M2), gl.float32, layout=MMA2)
     a_prev = gl.zeros((WG_ROWS, BLOCK_K), gl.bfloat16, layout=A_LAYOUT)
     for i in range(K // BLOCK_K):
-        stage = i % NUM_STAGES
-        mbarrier.wait(full.index(stage), (i // NUM_STAGES) & 1)
+        stage = it % NUM_STAGES
+        mbarrier.wait(full.index(stage), (it // NUM_STAGES) & 1)
         w_mine = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0)
         if BF16:  # the weight tile from shared memory
             a = w_mine
         else:  # dequantized into the register operand
             a = _dequantize(w_mine.load(WORDS), s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES),
                             WG_ROWS, BLOCK_K, WORDS, A_LAYOUT)
-        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        # Step i - 1's MMAs are done after the wait (a register operand lived until here): its stage is free.
+        acc = warpgroup_mma(a, x_smem.index(stage).slice(0, BLOCK_M, dim=0).permute((1, 0)), acc, is_async=True)
+        # The previous step's MMAs are done after the wait (a register operand lived until here):
+        # its stage is free.
         if EXTRA_M > 0:
             if BF16:
                 a2 = a
@@ -254,16 +294,22 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, row_start, row_end, 
             acc, acc2, a_prev = warpgroup_mma_wait(2, deps=[acc, acc2, a_prev])
         else:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
-        mbarrier.arrive(empty.index((i + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+        mbarrier.arrive(empty.index((it + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
         if not BF16:
             a_prev = a
+        it += 1
     acc = warpgroup_mma_wait(0, deps=[acc])
+    if EXTRA_M > 0:
+        acc2 = warpgroup_mma_wait(0, deps=[acc2])
+    # The tile's last stage is free: the producer may fill it with the next tile's first step
+    # while this epilogue runs.
+    mbarrier.arrive(empty.index((it + NUM_STAGES - 1) % NUM_STAGES))
     _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16, BLOCK_M, MMA,
               STORE, WG)
     if EXTRA_M > 0:
-        acc2 = warpgroup_mma_wait(0, deps=[acc2])
         _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16,
                   EXTRA_M, MMA2, STORE, WG)
+    return it
 
 
 @gluon.jit
@@ -333,16 +379,24 @@ class WsSpec(_Spec):
     block_k: int = 64
     num_stages: int = 4
     #: setmaxnreg of each consumer warp group and of the producer's; the kernel's ``maxnreg``
-    #: follows (3 warp groups share the 64K registers).
-    consumer_regs: int = 232
-    producer_regs: int = 40
+    #: follows (3 warp groups share the 64K registers). The producer spills at 40.
+    consumer_regs: int = 224
+    producer_regs: int = 56
     #: bf16 weights ``[E, N_W, K]`` read as stored (``triton_lang.bf16_matmul``'s contract), not NVFP4.
     bf16: bool = False
+    #: Programs to launch: 0 for one per work item (tile x output columns), else a persistent grid
+    #: of this many (the H200's 132 SMs: one program each), every program walking its items.
+    persistent: int = 0
     kernel = _ws_kernel
 
     @property
     def block_n(self) -> int:
         return WG_ROWS.value if self.fused else 2 * WG_ROWS.value
+
+    @property
+    def num_programs(self) -> int:
+        items = super().num_programs
+        return min(self.persistent, items) if self.persistent else items
 
     @property
     def num_warps(self) -> int:

@@ -112,32 +112,20 @@ def _rounding_scale(params, x_th, r_th, config: MoEConfig) -> np.ndarray:
     input gradient, the SwiGLU's, the kept gate/up product, each projection's output, the
     router's float32 term cast to bf16, and the adds of the terms. A rounding moves its value
     ``v`` by at most ``U |v|``, and the element, to first order, by at most ``U |c|`` with
-    ``c = v * d(element)/dv``. ``Q`` is the root-sum-square of ``c`` over those roundings: the
-    scale of a sum of independent rounding errors, at least 1.7 times the element (median 3.6).
-    (The sum of ``|c|``, the worst case where every rounding goes the same way, is 6-19 times
-    ``Q`` here: twice it would miss a dropped router term for 72% of the tokens.) Left out: the
+    ``c = v * d(element)/dv``. ``Q`` is the root-sum-square of ``c`` over those roundings, the
+    scale of a sum of independent rounding errors. (The sum of ``|c|``, where every rounding goes
+    the same way, is 6-19 times ``Q`` here, too loose to see a dropped router term.) Left out: the
     rounding of the router's forward outputs (0.2% of ``Q^2``) and the auxiliary losses' share of
     the router's term (float32, ~1% of it).
 
     ``GX_BOUND``: two runs whose roundings differ (a kernel or a fusion that rounds or sums in
     another order for 11 rows than for 12) differ by at most one ulp, ``2 U |c|``, per rounding
-    that differs; for up to four of them, ``2 U (|c1| + .. + |c4|) <= 2 U sqrt(4) Q = 4 U Q``
-    (Cauchy-Schwarz), whatever their sizes. Measured on CPU (21 seeds per format, bf16 / NVFP4 /
-    QAT, 704 elements each): ``xla`` and ``pallas`` each within 2.0 U Q of float64, and within
-    2.3 U Q of each other (every rounding made independently). The bound before, 2% of the
-    element plus 0.1% of the largest, is exceeded at 6-28 elements of every NVFP4 seed by
-    ``pallas`` against float64 and at 16-44 by ``xla`` against ``pallas``: it held only while the
-    two runs rounded alike. This one is 1.2-15 times looser (median 2.1) and still fails a sign
-    flip of all but ~1.5% of the elements, one expert's term dropped for one token, the shared
-    expert's, a doubled or swapped token, the router's term dropped for ~90% of single tokens
-    (and for all of them together), and a scale error of ~3% on the largest element (not 1%:
-    that element's own rounding error against float64 reaches 0.75%).
-
-    The element that failed on an H200 (seed 2445779249, NVFP4, pallas: -0.1484 with the bad
-    token, -0.1406 without, float64 -0.1549, ``Q`` = 3.46) sums 1.019 (router), -0.612
-    (shared), -0.169 and -0.392 (experts). The runs were 2^-7 = 0.58 U Q apart, one ulp of a
-    value in [1, 2) such as the router's term or the experts' and shared expert's sum (-1.173)
-    rounded the other way; the old bound (2% of the element + 0.1% of the largest) allowed 0.0072.
+    that differs; for up to four of them ``2 U (|c1| + .. + |c4|) <= 4 U Q`` (Cauchy-Schwarz).
+    On CPU (21 seeds per format) ``xla`` and ``pallas`` each stay within 2.0 U Q of float64 and
+    within 2.3 U Q of each other. The bound still fails a sign flip of ~98.5% of the elements,
+    one expert's, the shared expert's or (for ~90% of tokens) the router's term dropped, a
+    doubled token, and a 3% error on the largest element (not 1%: that element's own rounding
+    error against float64 reaches 0.75%).
     """
     x_th, r_th = np.asarray(x_th, np.float64), np.asarray(r_th, np.float64)
     w_router = _float64_weights(params["router"]["w_eh"])

@@ -10,11 +10,11 @@ rows more than 1% off it (the first as expert and row within it), the relative e
 rows (the highest expert among them) against float64 on the host, the NaN rows; the median of timed calls (x rotated
 over 3 copies, already in each kernel's ``permute_k`` order) after a warm-up; the dense anchor
 ``[M, K] x [K, N]`` bf16 through XLA in the same run. ``--weights bf16``: random bf16 weights, the
-warp-specialized candidates' bf16 mode against ``triton_lang.bf16_matmul``. ``--budget-s`` bounds
-the run.
+warp-specialized candidates' bf16 mode against ``triton_lang.bf16_matmul`` (``--transpose-w``: the
+input gradients' products, weights read transposed). ``--budget-s`` bounds the run.
 
     PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10]
-        [--routing irregular] [--weights bf16]
+        [--routing irregular] [--weights bf16 [--transpose-w]]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
+INPUT_GRAD_SHAPES = {"gate_up": (2 * F, H), "down": (H, F)}  # dX = dY @ W_e: (K, n_out), --transpose-w
 CANDIDATES = [("ws bk64 s4", dict(kind="ws", block_k=64, num_stages=4)),
               ("ws bk64 s4 persistent", dict(kind="ws", block_k=64, num_stages=4, persistent=132)),
               ("ws bk64 s4 group_t 4", dict(kind="ws", block_k=64, num_stages=4, group_t=4)),
@@ -94,6 +95,9 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--weights", choices=("nvfp4", "bf16"), default="nvfp4",
                     help="bf16: the ws candidates with bf16 weights against triton_lang.bf16_matmul")
+    ap.add_argument("--transpose-w", action="store_true",
+                    help="with --weights bf16: the input gradients' products (weights [E, K, N] read as their "
+                         "transpose: gate/up's dX K 4096 N 7168, down's K 7168 N 2048)")
     ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
                     help="irregular: experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile kind and "
                          "tiles past one per expert), the remainder on the last expert")
@@ -102,6 +106,8 @@ def main():
                     help="no anchor, no timing: each kernel launched once after its checked run (for ncu, which "
                          "then sees the table kernel's launches first, then each candidate's)")
     args = ap.parse_args()
+    if args.transpose_w and args.weights != "bf16":
+        ap.error("--transpose-w: expected --weights bf16 (the NVFP4 input gradient is another kernel)")
     os.makedirs(args.out, exist_ok=True)
     rows_out = []
 
@@ -127,20 +133,23 @@ def main():
     candidates = [c for c in CANDIDATES if args.candidates is None or c[0] in args.candidates]
 
     for shape in args.shapes:
-        k, n_out = SHAPES[shape]
-        op = Op.GATE_UP_SWIGLU if shape == "gate_up" else Op.MATMUL
+        k, n_out = (INPUT_GRAD_SHAPES if args.transpose_w else SHAPES)[shape]
+        op = Op.GATE_UP_SWIGLU if shape == "gate_up" and not args.transpose_w else Op.MATMUL
         n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+        tw = args.transpose_w
         key = jax.random.key(0 if shape == "gate_up" else 1)
         kw, ks, kg, kx = jax.random.split(key, 4)
         if args.weights == "bf16":
             # In 8 jitted chunks, bf16 written directly (11-22 GB); the 1/sqrt(K) goes on x.
-            gen = jax.jit(lambda key: jax.random.normal(key, (E // 8, n_w, k), jnp.bfloat16))
+            chunk = (E // 8, k, n_w) if tw else (E // 8, n_w, k)
+            gen = jax.jit(lambda key: jax.random.normal(key, chunk, jnp.bfloat16))
             w = jnp.concatenate([gen(jax.random.fold_in(kw, c)) for c in range(8)])
             jax.block_until_ready(w)
             x_scale = 1.0 / np.sqrt(k)
 
             def dense_e(e):
-                return np.asarray(w[e].astype(jnp.float32), np.float64)
+                w_e = np.asarray(w[e].astype(jnp.float32), np.float64)
+                return w_e.T if tw else w_e  # [n_w, k]
         else:
             w = nvfp4_weights(jax, jnp, kw, ks, kg, n_w, k)
             x_scale = 1.0
@@ -230,7 +239,8 @@ def main():
                     bk, xs_t = 0, xs
 
                     def table(x, out=None):
-                        return triton_lang.bf16_matmul(op, x, w, group_sizes, compute_capability=90, out=out)
+                        return triton_lang.bf16_matmul(op, x, w, group_sizes, compute_capability=90, out=out,
+                                                       transpose_w=tw)
                 else:
                     bk = triton_lang.k_order(op, num_rows=m, num_experts=E, k=k, n_out=n_out, compute_capability=90)
                     xs_t = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, bk) for x in xs]
@@ -261,11 +271,12 @@ def main():
                     if args.weights == "bf16":
                         if kind != "ws":
                             raise ValueError(f"{kind}: an NVFP4 candidate (--weights bf16 runs the ws ones)")
-                        spec = wk.WsSpec(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, bf16=True, **tile)
+                        spec = wk.WsSpec(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, bf16=True,
+                                         transpose_w=tw, **tile)
                         xs_g = xs
 
                         def cand(x, out=None, tile=tile):
-                            return wk.ws_bf16_matmul(op, x, w, group_sizes, out=out, **tile)
+                            return wk.ws_bf16_matmul(op, x, w, group_sizes, out=out, transpose_w=tw, **tile)
                     else:
                         spec_type, matmul = {"ss": (gk.SsSpec, gk.ss_matmul), "ws": (wk.WsSpec, wk.ws_matmul),
                                              "swap_ab": (gk.GluonSpec, gk.w4a16_matmul)}[kind]

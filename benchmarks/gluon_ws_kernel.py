@@ -53,13 +53,16 @@ from pallas_kernels.grouped_matmul.tuning import Op
 
 #: Weight rows per consumer warp group (one ``wgmma`` M); two groups per tile.
 WG_ROWS = gl.constexpr(64)
+#: ``WEIGHTS``: NVFP4 (the register operand dequantized), bf16 ``[E, N_W, K]`` as stored, or bf16
+#: ``[E, K, N]`` read as its transpose (``out[m] = x[m] @ W_e``: an input gradient).
+NVFP4, BF16, BF16_T = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 CONSUMER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
 def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_in_ptr,
                out_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
-               N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, NUM_TILES: gl.constexpr,
+               N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr,
                BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
                S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
@@ -69,8 +72,11 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
     consumers finish the last one."""
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 128, BLOCK_K], X_SMEM)
     x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, BLOCK_K], X_SMEM)
-    if BF16:  # the weight tile as stored, swizzled for wgmma; no scales
+    if WEIGHTS == BF16:  # the weight tile as stored, swizzled for wgmma; no scales
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K], X_SMEM)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
+    elif WEIGHTS == BF16_T:  # per consumer a [BLOCK_K, 64] box of W_e, its output columns contiguous
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * BLOCK_K, WG_ROWS], X_SMEM)
         s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
     else:
         w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 8], PLAIN_SMEM)
@@ -80,18 +86,18 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
     for s in gl.static_range(NUM_STAGES):
         # full: the TMA's expect-arrive (and for W4A16 the producer warp's 32 cp.async arrivals);
         # empty: both consumers.
-        mbarrier.init(full.index(s), count=1 if BF16 else 33)
+        mbarrier.init(full.index(s), count=1 if WEIGHTS > 0 else 33)
         mbarrier.init(empty.index(s), count=2)
     # (Tuples written out: a tuple of constexpr layouts built in a jit function would become tensors.)
     gl.warp_specialize([
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
+                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
                      SCALES, STORE, 0)),
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
+                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
                      SCALES, STORE, 1)),
         (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, BF16, NUM_TILES,
+                     x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, WEIGHTS, NUM_TILES,
                      BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -130,7 +136,7 @@ def _weight_row(r, j, N_OUT: gl.constexpr, FUSED: gl.constexpr):
 @gluon.jit
 def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr,
               w_ptr, w_scale_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr,
-              N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr,
+              N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr,
               NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr,
               W_COPY: gl.constexpr, S_COPY: gl.constexpr):
     # Token tiles of 64 rows (the 64-row tile and the extra 64 of a 192-row one) and of 128.
@@ -138,7 +144,11 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
                                           layout=x2_smem.type.layout)
     x128_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1], block_shape=[128, BLOCK_K],
                                            layout=x_smem.type.layout)
-    if BF16:
+    if WEIGHTS == BF16_T:  # W_e [K, N_OUT] of expert e at rows e K
+        w_desc = tma.make_tensor_descriptor(w_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True),
+                                            shape=[NUM_EXPERTS * K, N_OUT], strides=[N_OUT, 1],
+                                            block_shape=[BLOCK_K, WG_ROWS], layout=w_smem.type.layout)
+    elif WEIGHTS == BF16:
         SLAB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
         w_bf16 = w_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
         if FUSED:  # rows of half h of expert e at 2 e + h
@@ -157,26 +167,26 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
         if rows > 0:
             if rows <= 64:
                 it = _produce_tile(x64_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
-                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 64, 0,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 64, 0,
                                    BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
             elif rows <= 128:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
-                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 128, 0,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 0,
                                    BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
             else:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
-                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, BF16, 128, 64,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 64,
                                    BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
 
 
 @gluon.jit
 def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, expert, j,
                   w_ptr, w_scale_ptr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr,
-                  BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
                   NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr):
     """Every K step of one tile into the ring from position ``it``; returns the position after."""
-    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if BF16 else 0  # the weights' TMA bytes
-    if not BF16:  # the words' and scales' addresses, in the consumers' MMA row order
+    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if WEIGHTS > 0 else 0  # the weights' TMA bytes
+    if WEIGHTS == 0:  # the words' and scales' addresses, in the consumers' MMA row order
         wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
         w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
                 + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
@@ -195,7 +205,12 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
                                         x_smem.index(stage).slice(0, BLOCK_M, dim=0))
         if EXTRA_M > 0:
             tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
-        if BF16:
+        if WEIGHTS == BF16_T:
+            for wg in gl.static_range(2):
+                tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * K + i * BLOCK_K,
+                                                         j * (2 * WG_ROWS) + wg * WG_ROWS], bar,
+                                                w_smem.index(stage).slice(wg * BLOCK_K, BLOCK_K, dim=0))
+        elif WEIGHTS == BF16:
             _bf16_weight_loads(w_desc, w_smem.index(stage), bar, expert, j, i, N_W, FUSED, BLOCK_K)
         else:
             cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
@@ -230,7 +245,7 @@ def _bf16_weight_loads(w_desc, w_stage, bar, expert, j, i, N_W: gl.constexpr, FU
 @gluon.jit
 def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
               w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
-              BF16: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
+              WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
               NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
               WG: gl.constexpr):
     it = 0  # K steps consumed so far: the ring's position
@@ -241,22 +256,22 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
         if rows > 0:
             if rows <= 64:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 64, 0, BLOCK_K, NUM_STAGES,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 64, 0, BLOCK_K, NUM_STAGES,
                                    WORDS, SCALES, STORE, WG)
             elif rows <= 128:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 128, 0, BLOCK_K, NUM_STAGES,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 0, BLOCK_K, NUM_STAGES,
                                    WORDS, SCALES, STORE, WG)
             else:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, BF16, 128, 64, BLOCK_K, NUM_STAGES,
+                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 64, BLOCK_K, NUM_STAGES,
                                    WORDS, SCALES, STORE, WG)
 
 
 @gluon.jit
 def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j, w_global_ptr,
                   out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
-                  BF16: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
                   NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
                   WG: gl.constexpr):
     """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x this
@@ -275,17 +290,19 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
     for i in range(K // BLOCK_K):
         stage = it % NUM_STAGES
         mbarrier.wait(full.index(stage), (it // NUM_STAGES) & 1)
-        w_mine = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0)
-        if BF16:  # the weight tile from shared memory
-            a = w_mine
+        if WEIGHTS == BF16_T:  # the transposed view of this consumer's [BLOCK_K, 64] box
+            a = w_smem.index(stage).slice(WG * BLOCK_K, BLOCK_K, dim=0).permute((1, 0))
+        elif WEIGHTS == BF16:  # the weight tile from shared memory
+            a = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0)
         else:  # dequantized into the register operand
-            a = _dequantize(w_mine.load(WORDS), s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES),
-                            WG_ROWS, BLOCK_K, WORDS, A_LAYOUT)
+            a = _dequantize(w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(WORDS),
+                            s_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0).load(SCALES), WG_ROWS, BLOCK_K,
+                            WORDS, A_LAYOUT)
         acc = warpgroup_mma(a, x_smem.index(stage).slice(0, BLOCK_M, dim=0).permute((1, 0)), acc, is_async=True)
         # The previous step's MMAs are done after the wait (a register operand lived until here):
         # its stage is free.
         if EXTRA_M > 0:
-            if BF16:
+            if WEIGHTS > 0:
                 a2 = a
             else:
                 a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2),
@@ -295,7 +312,7 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
         else:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
         mbarrier.arrive(empty.index((it + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
-        if not BF16:
+        if WEIGHTS == 0:
             a_prev = a
         it += 1
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -304,21 +321,21 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
     # The tile's last stage is free: the producer may fill it with the next tile's first step
     # while this epilogue runs.
     mbarrier.arrive(empty.index((it + NUM_STAGES - 1) % NUM_STAGES))
-    _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16, BLOCK_M, MMA,
+    _epilogue(acc, row_start, row_end, 0, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, WEIGHTS, BLOCK_M, MMA,
               STORE, WG)
     if EXTRA_M > 0:
-        _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, BF16,
+        _epilogue(acc2, row_start, row_end, BLOCK_M, expert, j, w_global_ptr, out_ptr, N_OUT, G, FUSED, WEIGHTS,
                   EXTRA_M, MMA2, STORE, WG)
     return it
 
 
 @gluon.jit
 def _epilogue(acc, row_start, row_end, m0: gl.constexpr, expert, j, w_global_ptr, out_ptr, N_OUT: gl.constexpr,
-              G: gl.constexpr, FUSED: gl.constexpr, BF16: gl.constexpr, N: gl.constexpr, MMA: gl.constexpr,
+              G: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr, N: gl.constexpr, MMA: gl.constexpr,
               STORE: gl.constexpr, WG: gl.constexpr):
     """Scales the ``[64, N]`` accumulator (weight rows x token rows ``m0 + [0, N)`` of the
     tile), applies SwiGLU (fused) and stores the token rows before ``row_end``."""
-    if not BF16:
+    if WEIGHTS == 0:
         r = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
         half_r = (r // 8) % 2 if FUSED else r * 0  # gate 0, up 1
         # The global scales (per expert, per half of the fused op) and the 2**7 the operand is short of.
@@ -384,6 +401,8 @@ class WsSpec(_Spec):
     producer_regs: int = 56
     #: bf16 weights ``[E, N_W, K]`` read as stored (``triton_lang.bf16_matmul``'s contract), not NVFP4.
     bf16: bool = False
+    #: bf16 only (``Op.MATMUL``): weights ``[E, K, N]`` read as their transpose.
+    transpose_w: bool = False
     #: Programs to launch: 0 for one per work item (tile x output columns), else a persistent grid
     #: of this many (the H200's 132 SMs: one program each), every program walking its items.
     persistent: int = 0
@@ -402,12 +421,18 @@ class WsSpec(_Spec):
     def num_warps(self) -> int:
         return CONSUMER_WARPS.value
 
+    @property
+    def weights(self) -> int:
+        if self.transpose_w and not (self.bf16 and self.op is Op.MATMUL):
+            raise ValueError("transpose_w: bf16 weights and Op.MATMUL only (an input gradient)")
+        return (BF16_T if self.transpose_w else BF16 if self.bf16 else NVFP4).value
+
     def compile_options(self) -> dict:
         # The default partition (consumer 0) gets what the others leave of maxnreg x 12 warps.
         return dict(super().compile_options(), maxnreg=(2 * self.consumer_regs + self.producer_regs) // 3)
 
     def constexprs(self) -> dict:
-        return dict(super().constexprs(), NUM_ROWS=self.num_rows, NUM_EXPERTS=self.num_experts, BF16=self.bf16,
+        return dict(super().constexprs(), NUM_ROWS=self.num_rows, NUM_EXPERTS=self.num_experts, WEIGHTS=self.weights,
                     CONSUMER_REGS=self.consumer_regs, PRODUCER_REGS=self.producer_regs,
                     **ws_layouts(block_k=self.block_k, fused=self.fused))
 
@@ -423,21 +448,23 @@ def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = Fals
     return _matmul(WsSpec, op, x_mk, w, group_sizes_e, out, **tile)
 
 
-def ws_bf16_matmul(op: Op, x_mk, w_enk, group_sizes_e, *, out=None, **tile):
-    """``triton_lang.bf16_matmul``'s contract (``transpose_w`` False, SM90) through
-    :func:`_ws_kernel` with bf16 weights ``[E, N_W, K]``; ``tile``: :class:`WsSpec`'s fields."""
+def ws_bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, transpose_w: bool = False, **tile):
+    """``triton_lang.bf16_matmul``'s contract (SM90) through :func:`_ws_kernel` with bf16 weights
+    ``[E, N_W, K]``, or with ``transpose_w`` ``[E, K, N]`` read as their transpose; ``tile``:
+    :class:`WsSpec`'s fields."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from benchmarks.gluon_probe_kernel import launch  # noqa: PLC0415
 
     m, k = x_mk.shape
-    e, n_w, _ = w_enk.shape
+    e = w.shape[0]
+    n_w = w.shape[2 if transpose_w else 1]
     n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
-    spec = WsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, bf16=True, **tile)
+    spec = WsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, bf16=True, transpose_w=transpose_w, **tile)
     if out is None:
         out = jnp.zeros((m, n_out), jnp.bfloat16)
     # One-element placeholders for the scales bf16 never reads keep one kernel signature.
-    return launch(spec, group_sizes_e, x_mk, w_enk, jnp.zeros((1,), jnp.uint8), jnp.ones((e, 1), jnp.float32), out)
+    return launch(spec, group_sizes_e, x_mk, w, jnp.zeros((1,), jnp.uint8), jnp.ones((e, 1), jnp.float32), out)
 
 
 __all__ = ["WsSpec", "ws_bf16_matmul", "ws_layouts", "ws_matmul"]

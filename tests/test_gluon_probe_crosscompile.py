@@ -76,3 +76,21 @@ def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persist
     named = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
     assert named and all(count == "128" for _, count in named), sorted(set(named))
     assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_ws_candidate_reads_transposed_bf16_weights_as_the_transposed_mma_operand():
+    """``WsSpec(bf16=True, transpose_w=True)`` (an input gradient's ``dy @ W_e``, ``W_e`` stored
+    ``[K, N]``): each weight box lands ``[BLOCK_K, 64]`` and is the ``wgmma``'s A operand through
+    the descriptor's transpose bit, not a copy."""
+    from benchmarks import gluon_ws_kernel as wk  # noqa: PLC0415
+
+    spec = wk.WsSpec(op=Op.MATMUL, num_rows=65536, num_experts=384, k=7168, n_out=2048, bf16=True,
+                     transpose_w=True)
+    compiled, waits, ptx = _facts(gk.compile_kernel(spec))
+    transposes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, "
+                                r"%rd\d+, %p\d+, 1, 1, (\d), (\d);", ptx))
+    assert transposes == {("1", "0")}, transposes  # A transposed, B (the token rows) K-major
+    assert waits == [0, 1, 2] and compiled.spill_bytes == 0
+    with pytest.raises(ValueError, match="transpose_w"):
+        wk.WsSpec(op=Op.GATE_UP_SWIGLU, num_rows=64, num_experts=4, k=64, n_out=64, bf16=True,
+                  transpose_w=True).weights

@@ -10,11 +10,12 @@ rows more than 1% off it (the first as expert and row within it), the relative e
 rows (the highest expert among them) against float64 on the host, the NaN rows; the median of timed calls (x rotated
 over 3 copies, already in each kernel's ``permute_k`` order) after a warm-up; the dense anchor
 ``[M, K] x [K, N]`` bf16 through XLA in the same run. ``--weights bf16``: random bf16 weights, the
-warp-specialized candidates' bf16 mode against ``triton_lang.bf16_matmul`` (``--transpose-w``: the
-input gradients' products, weights read transposed). ``--budget-s`` bounds the run.
+warp-specialized candidates' bf16 mode against ``triton_lang.bf16_matmul``. ``--transpose-w``: the
+input gradients' products (``dY @ W_e``, weights read transposed) against ``triton_lang.input_grad``
+(NVFP4) or ``bf16_matmul(transpose_w=True)``. ``--budget-s`` bounds the run.
 
     PYTHONPATH=$PWD python benchmarks/gluon_probe.py --out DIR [--budget-s 200] [--iters 10]
-        [--routing irregular] [--weights bf16 [--transpose-w]]
+        [--routing irregular] [--weights bf16] [--transpose-w]
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def main():
     ap.add_argument("--weights", choices=("nvfp4", "bf16"), default="nvfp4",
                     help="bf16: the ws candidates with bf16 weights against triton_lang.bf16_matmul")
     ap.add_argument("--transpose-w", action="store_true",
-                    help="with --weights bf16: the input gradients' products (weights [E, K, N] read as their "
-                         "transpose: gate/up's dX K 4096 N 7168, down's K 7168 N 2048)")
+                    help="the input gradients' products (weights [E, K, N] read as their transpose: gate/up's dX "
+                         "K 4096 N 7168, down's K 7168 N 2048) against triton_lang.input_grad (NVFP4) or "
+                         "bf16_matmul(transpose_w=True)")
     ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
                     help="irregular: experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile kind and "
                          "tiles past one per expert), the remainder on the last expert")
@@ -106,8 +108,6 @@ def main():
                     help="no anchor, no timing: each kernel launched once after its checked run (for ncu, which "
                          "then sees the table kernel's launches first, then each candidate's)")
     args = ap.parse_args()
-    if args.transpose_w and args.weights != "bf16":
-        ap.error("--transpose-w: expected --weights bf16 (the NVFP4 input gradient is another kernel)")
     os.makedirs(args.out, exist_ok=True)
     rows_out = []
 
@@ -151,14 +151,16 @@ def main():
                 w_e = np.asarray(w[e].astype(jnp.float32), np.float64)
                 return w_e.T if tw else w_e  # [n_w, k]
         else:
-            w = nvfp4_weights(jax, jnp, kw, ks, kg, n_w, k)
+            rows_w, cols_w = (k, n_w) if tw else (n_w, k)  # W_e as stored
+            w = nvfp4_weights(jax, jnp, kw, ks, kg, rows_w, cols_w)
             x_scale = 1.0
 
             def dense_e(e):
                 codes = np.asarray(w.packed[e])
-                vals = np.stack([E2M1[codes & 15], E2M1[codes >> 4]], axis=-1).reshape(n_w, k)
+                vals = np.stack([E2M1[codes & 15], E2M1[codes >> 4]], axis=-1).reshape(rows_w, cols_w)
                 sc = np.asarray(w.scales[e].astype(jnp.float32), np.float64)
-                return vals * np.repeat(sc, 16, axis=1) * float(w.global_scale[e])
+                w_e = vals * np.repeat(sc, 16, axis=1) * float(w.global_scale[e])
+                return w_e.T if tw else w_e  # [n_w, k]
 
         for m in args.rows:
             if left(args.budget_s) < 30:
@@ -241,6 +243,11 @@ def main():
                     def table(x, out=None):
                         return triton_lang.bf16_matmul(op, x, w, group_sizes, compute_capability=90, out=out,
                                                        transpose_w=tw)
+                elif tw:  # the native input gradient, x (dY) in natural order
+                    xs_t = xs
+
+                    def table(x, out=None):
+                        return triton_lang.input_grad(x, w, group_sizes, compute_capability=90, out=out)
                 else:
                     bk = triton_lang.k_order(op, num_rows=m, num_experts=E, k=k, n_out=n_out, compute_capability=90)
                     xs_t = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, bk) for x in xs]
@@ -280,13 +287,19 @@ def main():
                     else:
                         spec_type, matmul = {"ss": (gk.SsSpec, gk.ss_matmul), "ws": (wk.WsSpec, wk.ws_matmul),
                                              "swap_ab": (gk.GluonSpec, gk.w4a16_matmul)}[kind]
-                        spec = spec_type(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out, **tile)
-                        # The ss kernel reads x in natural column order, the others in permute_k's.
-                        natural = kind == "ss"
+                        if tw and kind != "ws":
+                            raise ValueError(f"{kind}: a forward candidate (--transpose-w runs the ws ones)")
+                        spec = spec_type(op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
+                                         **(dict(tile, transpose_w=True) if tw else tile))
+                        # The ss kernel and the input gradient read x in natural column order, the
+                        # others in permute_k's.
+                        natural = kind == "ss" or tw
                         xs_g = xs if natural else [jax.jit(triton_lang.permute_k, static_argnums=1)(x, spec.block_k)
                                                    for x in xs]
 
                         def cand(x, out=None, tile=tile, matmul=matmul, natural=natural):
+                            if tw:
+                                return matmul(op, x, w, group_sizes, out=out, transpose_w=True, **tile)
                             if natural:
                                 return matmul(op, x, w, group_sizes, out=out, **tile)
                             return matmul(op, x, w, group_sizes, out=out, permuted=True, **tile)

@@ -37,25 +37,34 @@ accumulator, bf16 out. The x descriptor is made on the device, in Triton's globa
 ``WsSpec(bf16=True)`` is the same schedule for bf16 weights (``triton_lang.bf16_matmul``'s
 contract, x in natural column order): the producer loads the weight tile by TMA too, and each
 consumer multiplies its 64 rows from shared memory (both ``wgmma`` operands there).
+``WsSpec(transpose_w=True)`` is an input gradient, ``dy @ W_e`` with ``W_e`` stored ``[K, N]``:
+the weight tile is the ``wgmma``'s transposed A operand, by TMA for bf16, and for NVFP4
+(``triton_lang.input_grad``'s contract) dequantized by each consumer in natural order into one of
+two shared buffers (the packed dimension runs along the MMA's M there, so the register fragment
+of the forward does not apply).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import triton.experimental.gluon as gluon
 import triton.experimental.gluon.language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
-from benchmarks.gluon_probe_kernel import _bits, _dequantize, _program_tile, _Spec
+from benchmarks.gluon_probe_kernel import _bits, _dequantize, _dequantize_natural, _program_tile, _Spec
 from pallas_kernels.grouped_matmul.tuning import Op
 
 #: Weight rows per consumer warp group (one ``wgmma`` M); two groups per tile.
 WG_ROWS = gl.constexpr(64)
-#: ``WEIGHTS``: NVFP4 (the register operand dequantized), bf16 ``[E, N_W, K]`` as stored, or bf16
-#: ``[E, K, N]`` read as its transpose (``out[m] = x[m] @ W_e``: an input gradient).
-NVFP4, BF16, BF16_T = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+#: ``WEIGHTS``: NVFP4 (the register operand dequantized), bf16 ``[E, N_W, K]`` as stored, bf16
+#: ``[E, K, N]`` read as its transpose (``out[m] = x[m] @ W_e``: an input gradient), or NVFP4
+#: ``[E, K, N]`` read as its transpose (each consumer dequantizes into shared memory).
+NVFP4, BF16, BF16_T, NVFP4_T = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 CONSUMER_WARPS = gl.constexpr(4)
 
 
@@ -64,8 +73,9 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
                out_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
                N_W: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr,
                BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-               PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, W_COPY: gl.constexpr,
-               S_COPY: gl.constexpr, X_SMEM: gl.constexpr, PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
+               PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
+               T_SCALES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr, X_SMEM: gl.constexpr,
+               PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
     """One ring and three partitions per program; each partition walks the same work items
     (``program_id``, then every ``num_programs``-th: one item when the grid has one program per
     item, persistent when it has one per SM), so the producer loads the next tile while the
@@ -78,24 +88,28 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
     elif WEIGHTS == BF16_T:  # per consumer a [BLOCK_K, 64] box of W_e, its output columns contiguous
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * BLOCK_K, WG_ROWS], X_SMEM)
         s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
-    else:
+    else:  # packed words and E4M3 scales: NVFP4 K steps of the tile's 128 rows, NVFP4_T 64 rows x 128 columns
         w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 8], PLAIN_SMEM)
         s_smem = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K // 16], PLAIN_SMEM)
+    if WEIGHTS == NVFP4_T:  # each consumer's dequantized [BLOCK_K, 64] tile, double-buffered
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, WG_ROWS], X_SMEM)
+    else:
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], X_SMEM)
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         # full: the TMA's expect-arrive (and for W4A16 the producer warp's 32 cp.async arrivals);
         # empty: both consumers.
-        mbarrier.init(full.index(s), count=1 if WEIGHTS > 0 else 33)
+        mbarrier.init(full.index(s), count=1 if WEIGHTS == BF16 or WEIGHTS == BF16_T else 33)
         mbarrier.init(empty.index(s), count=2)
     # (Tuples written out: a tuple of constexpr layouts built in a jit function would become tensors.)
     gl.warp_specialize([
-        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
-                     SCALES, STORE, 0)),
-        (_consumer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                     w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T, NUM_STAGES, WORDS,
-                     SCALES, STORE, 1)),
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
+                     tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 0)),
+        (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
+                     tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 1)),
         (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                      x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, WEIGHTS, NUM_TILES,
                      BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY)),
@@ -185,8 +199,11 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
                   WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
                   NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr):
     """Every K step of one tile into the ring from position ``it``; returns the position after."""
-    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if WEIGHTS > 0 else 0  # the weights' TMA bytes
-    if WEIGHTS == 0:  # the words' and scales' addresses, in the consumers' MMA row order
+    TMA_WEIGHTS: gl.constexpr = WEIGHTS == BF16 or WEIGHTS == BF16_T
+    W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if TMA_WEIGHTS else 0  # the weights' TMA bytes
+    if WEIGHTS == NVFP4:  # the words' and scales' addresses, in the consumers' MMA row order
+        W_STEP: gl.constexpr = BLOCK_K // 8
+        S_STEP: gl.constexpr = BLOCK_K // 16
         wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
         w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
                 + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
@@ -195,6 +212,21 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
         s_at = (w_scale_ptr + expert * (N_W * (K // 16))
                 + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
                    + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+    elif WEIGHTS == NVFP4_T:
+        # W_e [K, N_OUT] (K: this product's reduction): per step BLOCK_K rows, and per consumer
+        # its 64 columns of the tile's 128; row r of the ring is consumer r // BLOCK_K's row r % BLOCK_K.
+        W_STEP: gl.constexpr = BLOCK_K * (N_OUT // 8)
+        S_STEP: gl.constexpr = BLOCK_K * (N_OUT // 16)
+        wr = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(1, W_COPY))
+        w_col = j * (2 * WG_ROWS) + (wr // BLOCK_K) * WG_ROWS  # the consumer's first column
+        w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (K * (N_OUT // 8))
+                + (((wr % BLOCK_K) * (N_OUT // 8) + w_col // 8)[:, None]
+                   + gl.arange(0, WG_ROWS // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
+        sr = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(1, S_COPY))
+        s_col = j * (2 * WG_ROWS) + (sr // BLOCK_K) * WG_ROWS
+        s_at = (w_scale_ptr + expert * (K * (N_OUT // 16))
+                + (((sr % BLOCK_K) * (N_OUT // 16) + s_col // 16)[:, None]
+                   + gl.arange(0, WG_ROWS // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
     for i in range(K // BLOCK_K):
         stage = it % NUM_STAGES
         # A fresh barrier counts as having completed the phase before its first: the first lap passes.
@@ -213,8 +245,8 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
         elif WEIGHTS == BF16:
             _bf16_weight_loads(w_desc, w_smem.index(stage), bar, expert, j, i, N_W, FUSED, BLOCK_K)
         else:
-            cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * (BLOCK_K // 8))
-            cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * (BLOCK_K // 16))
+            cp.async_copy_global_to_shared(w_smem.index(stage), w_at + i * W_STEP)
+            cp.async_copy_global_to_shared(s_smem.index(stage), s_at + i * S_STEP)
             cp.mbarrier_arrive(bar, increment_count=False)
         it += 1
     return it
@@ -243,11 +275,11 @@ def _bf16_weight_loads(w_desc, w_stage, bar, expert, j, i, N_W: gl.constexpr, FU
 # --- the consumers ---------------------------------------------------------------------------
 
 @gluon.jit
-def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+def _consumer(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
               w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
               WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
-              NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
-              WG: gl.constexpr):
+              NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
+              T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
     it = 0  # K steps consumed so far: the ring's position
     for item in range(gl.program_id(0), _num_items(N_OUT, FUSED, NUM_TILES), gl.num_programs(0)):
         expert, row_start, row_end, j = _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT, FUSED,
@@ -255,25 +287,25 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
         rows = row_end - row_start
         if rows > 0:
             if rows <= 64:
-                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 64, 0, BLOCK_K, NUM_STAGES,
-                                   WORDS, SCALES, STORE, WG)
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
+                                   expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 64, 0, BLOCK_K,
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
             elif rows <= 128:
-                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 0, BLOCK_K, NUM_STAGES,
-                                   WORDS, SCALES, STORE, WG)
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
+                                   expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 0, BLOCK_K,
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
             else:
-                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j,
-                                   w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 64, BLOCK_K, NUM_STAGES,
-                                   WORDS, SCALES, STORE, WG)
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
+                                   expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 64, BLOCK_K,
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
 
 
 @gluon.jit
-def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, row_end, expert, j, w_global_ptr,
-                  out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
+def _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end, expert, j,
+                  w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
                   WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, STORE: gl.constexpr,
-                  WG: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
+                  T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
     """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x this
     consumer's 64 weight rows of output tile ``j``, from ring position ``it``; the ``EXTRA_M``
     rows (if any) are a second MMA against the same weight operand (shapes are powers of two).
@@ -292,6 +324,19 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
         mbarrier.wait(full.index(stage), (it // NUM_STAGES) & 1)
         if WEIGHTS == BF16_T:  # the transposed view of this consumer's [BLOCK_K, 64] box
             a = w_smem.index(stage).slice(WG * BLOCK_K, BLOCK_K, dim=0).permute((1, 0))
+        elif WEIGHTS == NVFP4_T:
+            # Dequantized in natural column order into this step's buffer (the other one may still
+            # feed the previous step's MMA, which the last wait left in flight), then its
+            # transposed view. The stores reach the MMA's proxy through the fence, and every
+            # warp's through the barrier.
+            tile = _dequantize_natural(w_smem.index(stage).slice(WG * BLOCK_K, BLOCK_K, dim=0).load(T_WORDS),
+                                       s_smem.index(stage).slice(WG * BLOCK_K, BLOCK_K, dim=0).load(T_SCALES),
+                                       BLOCK_K, WG_ROWS, T_WORDS)
+            a_buf = a_smem.index(it % 2).slice(WG * BLOCK_K, BLOCK_K, dim=0)
+            a_buf.store(tile)
+            fence_async_shared()
+            gl.thread_barrier()
+            a = a_buf.permute((1, 0))
         elif WEIGHTS == BF16:  # the weight tile from shared memory
             a = w_smem.index(stage).slice(WG * WG_ROWS, WG_ROWS, dim=0)
         else:  # dequantized into the register operand
@@ -302,7 +347,7 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
         # The previous step's MMAs are done after the wait (a register operand lived until here):
         # its stage is free.
         if EXTRA_M > 0:
-            if WEIGHTS > 0:
+            if WEIGHTS != NVFP4:  # an operand in shared memory
                 a2 = a
             else:
                 a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2),
@@ -312,7 +357,7 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, r
         else:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
         mbarrier.arrive(empty.index((it + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
-        if WEIGHTS == 0:
+        if WEIGHTS == NVFP4:
             a_prev = a
         it += 1
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -335,7 +380,7 @@ def _epilogue(acc, row_start, row_end, m0: gl.constexpr, expert, j, w_global_ptr
               STORE: gl.constexpr, WG: gl.constexpr):
     """Scales the ``[64, N]`` accumulator (weight rows x token rows ``m0 + [0, N)`` of the
     tile), applies SwiGLU (fused) and stores the token rows before ``row_end``."""
-    if WEIGHTS == 0:
+    if WEIGHTS == NVFP4 or WEIGHTS == NVFP4_T:
         r = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, MMA))
         half_r = (r // 8) % 2 if FUSED else r * 0  # gate 0, up 1
         # The global scales (per expert, per half of the fused op) and the 2**7 the operand is short of.
@@ -362,6 +407,8 @@ def ws_layouts(*, block_k: int, fused: bool) -> dict:
 
     ``WORDS``/``SCALES``: a consumer's 64 rows as ``gluon_probe_kernel.layouts`` places 128 over
     8 warps (a thread's words are exactly its registers of the MMA's A fragment), here over 4.
+    ``T_WORDS``/``T_SCALES`` (transposed NVFP4): a consumer's ``block_k`` rows of 64 columns, a
+    thread's two words and their one block scale, dequantized in natural order.
     ``W_COPY``/``S_COPY``: the producer warp's 16-byte (words) and 4-byte (scales) copies of both
     consumers' 128 rows."""
     g = block_k // 32
@@ -373,6 +420,10 @@ def ws_layouts(*, block_k: int, fused: bool) -> dict:
         reg_bases=[[8, 0]] + [[0, b] for b in _bits(g // 2)],
         lane_bases=[[0, g // 2], [0, g], [1, 0], [2, 0], [4, 0]], warp_bases=warp, block_bases=[],
         shape=[WG_ROWS.value, block_k // 16])
+    t_words = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[CONSUMER_WARPS.value, 1],
+                               order=[1, 0])
+    t_scales = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
+                                warps_per_cta=[CONSUMER_WARPS.value, 1], order=[1, 0])
     w_vectors = block_k // 32  # 16-byte vectors of words per row
     w_copy = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // w_vectors, w_vectors],
                               warps_per_cta=[1, 1], order=[1, 0])
@@ -385,8 +436,8 @@ def ws_layouts(*, block_k: int, fused: bool) -> dict:
     cols = WG_ROWS.value // 2 if fused else WG_ROWS.value
     store = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[cols // 8, 256 // cols],
                              warps_per_cta=[1, CONSUMER_WARPS.value], order=[0, 1])
-    return dict(WORDS=words, SCALES=scales, W_COPY=w_copy, S_COPY=s_copy, X_SMEM=x_smem, PLAIN_SMEM=plain,
-                STORE=store)
+    return dict(WORDS=words, SCALES=scales, T_WORDS=t_words, T_SCALES=t_scales, W_COPY=w_copy, S_COPY=s_copy,
+                X_SMEM=x_smem, PLAIN_SMEM=plain, STORE=store)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -401,7 +452,7 @@ class WsSpec(_Spec):
     producer_regs: int = 56
     #: bf16 weights ``[E, N_W, K]`` read as stored (``triton_lang.bf16_matmul``'s contract), not NVFP4.
     bf16: bool = False
-    #: bf16 only (``Op.MATMUL``): weights ``[E, K, N]`` read as their transpose.
+    #: ``Op.MATMUL`` only: weights ``[E, K, N]`` read as their transpose (an input gradient).
     transpose_w: bool = False
     #: Programs to launch: 0 for one per work item (tile x output columns), else a persistent grid
     #: of this many (the H200's 132 SMs: one program each), every program walking its items.
@@ -423,9 +474,11 @@ class WsSpec(_Spec):
 
     @property
     def weights(self) -> int:
-        if self.transpose_w and not (self.bf16 and self.op is Op.MATMUL):
-            raise ValueError("transpose_w: bf16 weights and Op.MATMUL only (an input gradient)")
-        return (BF16_T if self.transpose_w else BF16 if self.bf16 else NVFP4).value
+        if self.transpose_w and self.op is not Op.MATMUL:
+            raise ValueError("transpose_w: Op.MATMUL only (an input gradient)")
+        if self.transpose_w:
+            return (BF16_T if self.bf16 else NVFP4_T).value
+        return (BF16 if self.bf16 else NVFP4).value
 
     def compile_options(self) -> dict:
         # The default partition (consumer 0) gets what the others leave of maxnreg x 12 warps.
@@ -437,23 +490,32 @@ class WsSpec(_Spec):
                     **ws_layouts(block_k=self.block_k, fused=self.fused))
 
 
-def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = False, **tile):
+def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = False, transpose_w: bool = False,
+              **tile):
     """``triton_lang.run``'s W4A16 contract on SM90 through :func:`_ws_kernel` (``x_mk`` in natural
-    column order unless ``permuted``); ``tile``: :class:`WsSpec`'s fields."""
-    from benchmarks.gluon_probe_kernel import _matmul  # noqa: PLC0415
+    column order unless ``permuted``), or with ``transpose_w`` ``triton_lang.input_grad``'s (NVFP4
+    ``w`` ``[E, K, N]`` read as its transpose, ``x_mk`` in natural order); ``tile``:
+    :class:`WsSpec`'s fields."""
+    from benchmarks.gluon_probe_kernel import launch  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
 
-    if not permuted:
+    if not (permuted or transpose_w):
         x_mk = triton_lang.permute_k(x_mk, tile.get("block_k", WsSpec.block_k))
-    return _matmul(WsSpec, op, x_mk, w, group_sizes_e, out, **tile)
+    m, k = x_mk.shape
+    e, n_w, n_half = w.packed.shape
+    n_out = 2 * n_half if transpose_w else n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    g = w.global_scale.reshape(e, -1).astype(jnp.float32)
+    spec = WsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, scale_groups=g.shape[1],
+                  transpose_w=transpose_w, **tile)
+    if out is None:
+        out = jnp.zeros((m, n_out), jnp.bfloat16)
+    return launch(spec, group_sizes_e, x_mk, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), g, out)
 
 
 def ws_bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, transpose_w: bool = False, **tile):
     """``triton_lang.bf16_matmul``'s contract (SM90) through :func:`_ws_kernel` with bf16 weights
     ``[E, N_W, K]``, or with ``transpose_w`` ``[E, K, N]`` read as their transpose; ``tile``:
     :class:`WsSpec`'s fields."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
     from benchmarks.gluon_probe_kernel import launch  # noqa: PLC0415
 
     m, k = x_mk.shape

@@ -94,3 +94,19 @@ def test_ws_candidate_reads_transposed_bf16_weights_as_the_transposed_mma_operan
     with pytest.raises(ValueError, match="transpose_w"):
         wk.WsSpec(op=Op.GATE_UP_SWIGLU, num_rows=64, num_experts=4, k=64, n_out=64, bf16=True,
                   transpose_w=True).weights
+
+
+def test_ws_candidate_dequantizes_transposed_nvfp4_weights_into_shared_memory():
+    """``WsSpec(transpose_w=True)`` with NVFP4 weights (the input gradient ``dy @ W_e``): each
+    consumer dequantizes its ``[64 (K), 64 (N)]`` tile in natural order into one of two shared
+    buffers, fences it for the async proxy, and multiplies it as the transposed A operand."""
+    from benchmarks import gluon_ws_kernel as wk  # noqa: PLC0415
+
+    spec = wk.WsSpec(op=Op.MATMUL, num_rows=65536, num_experts=384, k=7168, n_out=2048, transpose_w=True)
+    compiled, waits, ptx = _facts(gk.compile_kernel(spec))
+    transposes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, "
+                                r"%rd\d+, %p\d+, 1, 1, (\d), (\d);", ptx))
+    assert transposes == {("1", "0")}, transposes
+    assert "fence.proxy.async.shared::cta" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert waits == [0, 1, 2] and compiled.spill_bytes == 0
+    assert 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]

@@ -1,4 +1,5 @@
-"""Candidate 3: the W4A16 NVFP4 grouped GEMM for SM90, warp-specialized in Gluon (``gl.warp_specialize``).
+"""Candidate 3: warp-specialized grouped GEMMs for SM90 in Gluon (``gl.warp_specialize``): NVFP4
+W4A16 and bf16 weights, forward and input gradient.
 
 A probe beside its benchmark (``benchmarks/gluon_probe.py``), outside the library; nothing
 dispatches to it. It is the design ``benchmarks/NOTES.md`` section 1 ("Gluon candidates") names
@@ -476,6 +477,10 @@ class WsSpec(_Spec):
     def weights(self) -> int:
         if self.transpose_w and self.op is not Op.MATMUL:
             raise ValueError("transpose_w: Op.MATMUL only (an input gradient)")
+        if self.transpose_w and not self.bf16 and self.block_k != WG_ROWS.value:
+            raise ValueError(f"block_k: {self.block_k}, expected {WG_ROWS.value} for the NVFP4 input gradient (its "
+                             "ring holds 2 x block_k rows of one consumer's 64 columns where the forward's holds "
+                             "128 rows of block_k)")
         if self.transpose_w:
             return (BF16_T if self.bf16 else NVFP4_T).value
         return (BF16 if self.bf16 else NVFP4).value

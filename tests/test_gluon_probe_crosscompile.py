@@ -46,9 +46,10 @@ def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
     assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]
 
 
-@pytest.mark.parametrize("persistent", [0, 132], ids=["one_item", "persistent"])
-@pytest.mark.parametrize("bf16", [False, True], ids=["nvfp4", "bf16"])
-@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
+# Each op, weight format and grid once, in four compilations rather than eight.
+@pytest.mark.parametrize(("op", "bf16", "persistent"), [(Op.GATE_UP_SWIGLU, False, 0), (Op.MATMUL, False, 132),
+                                                        (Op.GATE_UP_SWIGLU, True, 132), (Op.MATMUL, True, 0)],
+                         ids=["gate_up-nvfp4", "matmul-nvfp4-persistent", "gate_up-bf16-persistent", "matmul-bf16"])
 def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persistent):
     """``gluon_ws_kernel``: 12 warps (two consumer warp groups, one producer warp padded to a
     group) whose registers are moved by ``setmaxnreg`` (224 per consumer, 56 for the producer);

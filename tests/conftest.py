@@ -39,6 +39,9 @@ if _NO_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-jax-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+import functools  # noqa: E402
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -102,3 +105,47 @@ def rng(request):
 def cpu_devices():
     """The 8 virtual CPU devices (also on a GPU machine, where they are not the default)."""
     return jax.devices("cpu")
+
+
+#: Whether a test without the ``buffer_buckets`` marker ran since the jit caches were last cleared.
+_ONE_BUFFER_CACHED = False
+
+
+@pytest.fixture(autouse=True)
+def _worst_case_buffer_alone(request, monkeypatch):
+    """Each expert-parallel exchange compiles its worst-case buffer alone, unless the test is
+    marked ``buffer_buckets``.
+
+    An exchange picks its buffer among a few static sizes at run time
+    (``sharding.exchange.layout.buffer_buckets``, a ``lax.switch`` in
+    ``sharding.exchange.common.switch_on_size``), and each branch holds the whole exchange and
+    the expert computation, so a layer on a mesh compiled two or three copies of itself: about
+    half its compile time (benchmarks/NOTES.md, section 8). The choice changes no output: a
+    bucket is taken only if it holds every row, the worst case holds every routing, and a
+    capacity caps every bucket alike; ``padded``'s ``rows_sent``, which counts its buffer's
+    padding, is the one statistic that differs. The marked tests run every bucket: each one
+    taken, the overflow into the last, gradients through the switch and what communicates
+    inside it (tests/sharding/test_exchange_buckets.py, tests/test_expert_parallel.py,
+    tests/test_exchange_traffic.py). The single size still goes through ``buffer_buckets``, so
+    its argument checks stay on.
+
+    jit's caches do not know which sizes traced a program (two ``jax.jit`` of the same function
+    share traces): a marked test clears them where an unmarked one may have left a program of
+    the same plan and shapes behind.
+    """
+    global _ONE_BUFFER_CACHED
+    if request.node.get_closest_marker("buffer_buckets") is not None:
+        if _ONE_BUFFER_CACHED:
+            jax.clear_caches()
+            _ONE_BUFFER_CACHED = False
+        yield
+        return
+    import moe_jax  # noqa: PLC0415 (after the XLA flags above)
+    from sharding.exchange.layout import buffer_buckets  # noqa: PLC0415
+
+    for name in moe_jax.EXCHANGE.names():
+        module = sys.modules[moe_jax.EXCHANGE[name].run.__module__]
+        if hasattr(module, "buffer_buckets"):
+            monkeypatch.setattr(module, "buffer_buckets", functools.partial(buffer_buckets, factors=()))
+    _ONE_BUFFER_CACHED = True
+    yield

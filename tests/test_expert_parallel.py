@@ -117,9 +117,6 @@ def skewed(config, rng, chosen):
     return config, params, x
 
 
-# Every token on one expert or one device: the load overflows every bucket but the worst case,
-# which must hold it (dropless).
-@pytest.mark.buffer_buckets
 @pytest.mark.parametrize("exchange", names(EP_EXCHANGES))
 @pytest.mark.parametrize("skew", ["one_expert", "one_device"])
 def test_skewed_routing(rng, cpu_devices, plan_for, exchange, skew):

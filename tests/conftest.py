@@ -138,7 +138,8 @@ def _worst_case_buffer_alone(request, monkeypatch):
     padding, is the one statistic that differs. The marked tests run every bucket: each one
     taken, the overflow into the last, gradients through the switch and what communicates
     inside it (tests/test_exchange_buckets.py, tests/test_expert_parallel.py,
-    tests/test_exchange_traffic.py). Subprocesses run the library as it is.
+    tests/test_exchange_traffic.py). Subprocesses run the library as it is (a test comparing its
+    programs with theirs bit for bit is marked).
 
     jit's caches do not know which sizes traced a program (two ``jax.jit`` of the same function
     share traces), so a marked test clears them if a single-size program may be among them

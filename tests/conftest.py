@@ -125,8 +125,10 @@ def _worst_case_alone(typical: int, worst: int) -> tuple[int, ...]:
 
 @pytest.fixture(autouse=True)
 def _worst_case_buffer_alone(request, monkeypatch):
-    """Each expert-parallel exchange compiles its worst-case buffer alone, unless the test is
-    marked ``buffer_buckets``.
+    """On a machine without an NVIDIA GPU, each expert-parallel exchange compiles its worst-case
+    buffer alone, unless the test is marked ``buffer_buckets``. (On a GPU machine every test
+    compiles the buckets, as users' programs do: the GPU check runs each program once, and
+    collectives in the switch's branches run on NCCL there.)
 
     An exchange picks its buffer among a few static sizes at run time
     (``sharding.exchange.layout.buffer_buckets``, a ``lax.switch`` in
@@ -150,6 +152,8 @@ def _worst_case_buffer_alone(request, monkeypatch):
         if _ONE_BUFFER_TRACED:
             jax.clear_caches()
             _ONE_BUFFER_TRACED = False
+        return
+    if not _NO_GPU:
         return
     import moe_jax  # noqa: PLC0415 (after the XLA flags above)
 

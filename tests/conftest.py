@@ -39,6 +39,8 @@ if _NO_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-jax-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -60,7 +62,10 @@ def pytest_collection_modifyitems(config, items):
     # The slow tests first (in their order), so that xdist's workers do not end on them, one
     # worker idle while the other runs a long test. A test with its own timeout marker needs more
     # than the GPU check's per-test limit (the serving soaks, ~130 s each on the H200): first too.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None)
+    # Then the tests that compile every exchange buffer size, so that a worker clears its jit
+    # caches for them once (_worst_case_buffer_alone), not at each switch between the two kinds.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None,
+                                 item.get_closest_marker("buffer_buckets") is None))
     gpus = len(_cuda_devices())
     for item in items:
         marker = item.get_closest_marker("gpu")
@@ -102,3 +107,57 @@ def rng(request):
 def cpu_devices():
     """The 8 virtual CPU devices (also on a GPU machine, where they are not the default)."""
     return jax.devices("cpu")
+
+
+#: Whether an exchange was traced with its worst-case buffer alone since the jit caches were
+#: last cleared.
+_ONE_BUFFER_TRACED = False
+
+
+def _worst_case_alone(typical: int, worst: int) -> tuple[int, ...]:
+    """``buffer_buckets`` with no bucket but the worst case (its argument checks included)."""
+    global _ONE_BUFFER_TRACED
+    from sharding.exchange.layout import buffer_buckets  # noqa: PLC0415 (after the XLA flags above)
+
+    _ONE_BUFFER_TRACED = True
+    return buffer_buckets(typical, worst, factors=())
+
+
+@pytest.fixture(autouse=True)
+def _worst_case_buffer_alone(request, monkeypatch):
+    """On a machine without an NVIDIA GPU, each expert-parallel exchange compiles its worst-case
+    buffer alone, unless the test is marked ``buffer_buckets``. (On a GPU machine every test
+    compiles the buckets, as users' programs do: the GPU check runs each program once, and
+    collectives in the switch's branches run on NCCL there.)
+
+    An exchange picks its buffer among a few static sizes at run time
+    (``sharding.exchange.layout.buffer_buckets``, a ``lax.switch`` in
+    ``sharding.exchange.common.switch_on_size``), and each branch holds the whole exchange and
+    the expert computation, so a layer on a mesh compiled two or three copies of itself: about
+    half its compile time (benchmarks/NOTES.md, section 8). The choice changes no output: a
+    bucket is taken only if it holds every row, the worst case holds every routing, and a
+    capacity caps every bucket alike; ``padded``'s ``rows_sent``, which counts its buffer's
+    padding, is the one statistic that differs. The marked tests run every bucket: each one
+    taken, the overflow into the last, gradients through the switch and what communicates
+    inside it (tests/test_exchange_buckets.py, tests/test_expert_parallel.py,
+    tests/test_exchange_traffic.py). Subprocesses run the library as it is (a test comparing its
+    programs with theirs bit for bit is marked).
+
+    jit's caches do not know which sizes traced a program (two ``jax.jit`` of the same function
+    share traces), so a marked test clears them if a single-size program may be among them
+    (the marked tests run early, see ``pytest_collection_modifyitems``: once per worker).
+    """
+    global _ONE_BUFFER_TRACED
+    if request.node.get_closest_marker("buffer_buckets") is not None:
+        if _ONE_BUFFER_TRACED:
+            jax.clear_caches()
+            _ONE_BUFFER_TRACED = False
+        return
+    if not _NO_GPU:
+        return
+    import moe_jax  # noqa: PLC0415 (after the XLA flags above)
+
+    for name in moe_jax.EXCHANGE.names():
+        module = sys.modules[moe_jax.EXCHANGE[name].run.__module__]
+        if hasattr(module, "buffer_buckets"):
+            monkeypatch.setattr(module, "buffer_buckets", _worst_case_alone)

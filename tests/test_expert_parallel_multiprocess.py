@@ -62,7 +62,9 @@ def free_port():
 
 
 # 35 s in the suite (three processes compiling the layer for each exchange): collected first.
+# With the exchanges' buffer buckets here too, as in the worker processes: the same programs.
 @pytest.mark.slow
+@pytest.mark.buffer_buckets
 def test_two_processes_match_one(tmp_path: Path, rng, cpu_devices):
     params = quantize_params(init_params(dataclasses.replace(CONFIG, weight_format="bf16"),
                                          jax.random.key(int(rng.integers(1 << 30)))))

@@ -89,6 +89,29 @@ def _scales_per_word(scales_rb, R: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: g
 
 
 @gluon.jit
+def _rows_pointers(ptr, rows, row_stride, WIDTH: gl.constexpr, LAYOUT: gl.constexpr):
+    """``[R, WIDTH]`` pointers ``ptr + rows * row_stride + [0, WIDTH)`` in ``LAYOUT`` (``rows`` in
+    its row slice): a tile of rows of packed words or of scales."""
+    return ptr + (rows[:, None] * row_stride + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LAYOUT))[None, :])
+
+
+@gluon.jit
+def _packed_pointers(w_ptr, w_scale_ptr, expert, j, R: gl.constexpr, K: gl.constexpr, N_OUT: gl.constexpr,
+                     N_W: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, W_LOAD: gl.constexpr,
+                     S_LOAD: gl.constexpr):
+    """The first K step's ``[R, BLOCK_K / 8]`` word and ``[R, BLOCK_K / 16]`` scale pointers of
+    output tile ``j``'s ``R`` weight rows: ``BLOCK_N`` rows of the first half (gate), then of the
+    second (up, ``N_OUT`` further) for a fused tile of ``2 BLOCK_N``."""
+    wr = gl.arange(0, R, layout=gl.SliceLayout(1, W_LOAD))
+    sr = gl.arange(0, R, layout=gl.SliceLayout(1, S_LOAD))
+    w_at = _rows_pointers(w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8)),
+                          (wr // BLOCK_N) * N_OUT + j * BLOCK_N + wr % BLOCK_N, K // 8, BLOCK_K // 8, W_LOAD)
+    s_at = _rows_pointers(w_scale_ptr + expert * (N_W * (K // 16)),
+                          (sr // BLOCK_N) * N_OUT + j * BLOCK_N + sr % BLOCK_N, K // 16, BLOCK_K // 16, S_LOAD)
+    return w_at, s_at
+
+
+@gluon.jit
 def _dequantize(words_rw, scales_rb, R: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr,
                 A_LAYOUT: gl.constexpr):
     """``triton_lang._dequantize_w4a16`` with explicit layouts: int32 ``[R, BK/8]`` words in
@@ -176,14 +199,7 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_ptr
         x2_at = x_at
         x2_ok = x_ok
         x2_smem = x_smem
-    wr = gl.arange(0, R, layout=gl.SliceLayout(1, W_LOAD))
-    w_row = (wr // BLOCK_N) * N_OUT + j * BLOCK_N + wr % BLOCK_N
-    w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
-            + (w_row[:, None] * (K // 8) + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_LOAD))[None, :]))
-    sr = gl.arange(0, R, layout=gl.SliceLayout(1, S_LOAD))
-    s_row = (sr // BLOCK_N) * N_OUT + j * BLOCK_N + sr % BLOCK_N
-    s_at = (w_scale_ptr + expert * (N_W * (K // 16))
-            + (s_row[:, None] * (K // 16) + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_LOAD))[None, :]))
+    w_at, s_at = _packed_pointers(w_ptr, w_scale_ptr, expert, j, R, K, N_OUT, N_W, BLOCK_N, BLOCK_K, W_LOAD, S_LOAD)
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, R, BLOCK_K // 8], PLAIN_SMEM)
     s_smem = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, R, BLOCK_K // 16], PLAIN_SMEM)
 
@@ -397,14 +413,7 @@ def _ss_tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, w_global_
     xs = M_SMALL + gl.arange(0, 64, layout=gl.SliceLayout(1, X_LOAD))
     xs_at = xs[:, None] * K + xk[None, :]
     xs_ok = (row_start + xs < row_end)[:, None] & (xk < BLOCK_K)[None, :]
-    wr = gl.arange(0, SS_N, layout=gl.SliceLayout(1, W_LOAD))
-    w_row = (wr // BLOCK_N) * N_OUT + j * BLOCK_N + wr % BLOCK_N
-    w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
-            + (w_row[:, None] * (K // 8) + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_LOAD))[None, :]))
-    sr = gl.arange(0, SS_N, layout=gl.SliceLayout(1, S_LOAD))
-    s_row = (sr // BLOCK_N) * N_OUT + j * BLOCK_N + sr % BLOCK_N
-    s_at = (w_scale_ptr + expert * (N_W * (K // 16))
-            + (s_row[:, None] * (K // 16) + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_LOAD))[None, :]))
+    w_at, s_at = _packed_pointers(w_ptr, w_scale_ptr, expert, j, SS_N, K, N_OUT, N_W, BLOCK_N, BLOCK_K, W_LOAD, S_LOAD)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 128, BLOCK_K], X_SMEM)
     xs_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, BLOCK_K], X_SMEM)
@@ -667,8 +676,9 @@ def launch(spec: _Spec, group_sizes_e, x_mk, packed, scales_u8, global_scale_eg,
 
 def _matmul(spec_type, op: Op, x_mk, w, group_sizes_e, out, **tile) -> jax.Array:
     m, k = x_mk.shape
-    e, n_w, _ = w.packed.shape
-    n_out = n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
+    e, n_w, half_k = w.packed.shape
+    # Weights read as their transpose (an input gradient): the output is their packed columns.
+    n_out = 2 * half_k if tile.get("transpose_w") else n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
     g = w.global_scale.reshape(e, -1).astype(jnp.float32)
     spec = spec_type(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, scale_groups=g.shape[1], **tile)
     if out is None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import triton.experimental.gluon as gluon
 import triton.experimental.gluon.language as gl
@@ -57,7 +56,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from benchmarks.gluon_probe_kernel import _bits, _dequantize, _dequantize_natural, _program_tile, _Spec
+from benchmarks.gluon_probe_kernel import (_bits, _dequantize, _dequantize_natural, _program_tile, _rows_pointers,
+                                           _Spec)
 from pallas_kernels.grouped_matmul.tuning import Op
 
 #: Weight rows per consumer warp group (one ``wgmma`` M); two groups per tile.
@@ -205,29 +205,20 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
     if WEIGHTS == NVFP4:  # the words' and scales' addresses, in the consumers' MMA row order
         W_STEP: gl.constexpr = BLOCK_K // 8
         S_STEP: gl.constexpr = BLOCK_K // 16
-        wr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY))
-        w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8))
-                + (_weight_row(wr, j, N_OUT, FUSED)[:, None] * (K // 8)
-                   + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
-        sr = gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, S_COPY))
-        s_at = (w_scale_ptr + expert * (N_W * (K // 16))
-                + (_weight_row(sr, j, N_OUT, FUSED)[:, None] * (K // 16)
-                   + gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+        w_at = _rows_pointers(w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (N_W * (K // 8)),
+                              _weight_row(gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, W_COPY)), j, N_OUT,
+                                          FUSED), K // 8, BLOCK_K // 8, W_COPY)
+        s_at = _rows_pointers(w_scale_ptr + expert * (N_W * (K // 16)),
+                              _weight_row(gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, S_COPY)), j, N_OUT,
+                                          FUSED), K // 16, BLOCK_K // 16, S_COPY)
     elif WEIGHTS == NVFP4_T:
         # W_e [K, N_OUT] (K: this product's reduction): per step BLOCK_K rows, and per consumer
-        # its 64 columns of the tile's 128; row r of the ring is consumer r // BLOCK_K's row r % BLOCK_K.
+        # its 64 columns of the tile's 128.
         W_STEP: gl.constexpr = BLOCK_K * (N_OUT // 8)
         S_STEP: gl.constexpr = BLOCK_K * (N_OUT // 16)
-        wr = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(1, W_COPY))
-        w_col = j * (2 * WG_ROWS) + (wr // BLOCK_K) * WG_ROWS  # the consumer's first column
-        w_at = (w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (K * (N_OUT // 8))
-                + (((wr % BLOCK_K) * (N_OUT // 8) + w_col // 8)[:, None]
-                   + gl.arange(0, WG_ROWS // 8, layout=gl.SliceLayout(0, W_COPY))[None, :]))
-        sr = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(1, S_COPY))
-        s_col = j * (2 * WG_ROWS) + (sr // BLOCK_K) * WG_ROWS
-        s_at = (w_scale_ptr + expert * (K * (N_OUT // 16))
-                + (((sr % BLOCK_K) * (N_OUT // 16) + s_col // 16)[:, None]
-                   + gl.arange(0, WG_ROWS // 16, layout=gl.SliceLayout(0, S_COPY))[None, :]))
+        w_at = _transposed_pointers(w_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + expert * (K * (N_OUT // 8)),
+                                    j, N_OUT // 8, 8, BLOCK_K, W_COPY)
+        s_at = _transposed_pointers(w_scale_ptr + expert * (K * (N_OUT // 16)), j, N_OUT // 16, 16, BLOCK_K, S_COPY)
     for i in range(K // BLOCK_K):
         stage = it % NUM_STAGES
         # A fresh barrier counts as having completed the phase before its first: the first lap passes.
@@ -251,6 +242,16 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
             cp.mbarrier_arrive(bar, increment_count=False)
         it += 1
     return it
+
+
+@gluon.jit
+def _transposed_pointers(ptr, j, row_stride, PER: gl.constexpr, BLOCK_K: gl.constexpr, LAYOUT: gl.constexpr):
+    """The ring's ``[2 BLOCK_K, 64 / PER]`` pointers for ``W_e [K, N_OUT]`` packed ``PER`` columns
+    to an element (words 8, scales 16) at ``ptr``: ring row ``r`` is consumer ``r // BLOCK_K``'s
+    row ``r % BLOCK_K`` of the step, at that consumer's first column of output tile ``j``."""
+    r = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(1, LAYOUT))
+    first_column = j * (2 * WG_ROWS) + (r // BLOCK_K) * WG_ROWS
+    return _rows_pointers(ptr + first_column[:, None] // PER, r % BLOCK_K, row_stride, WG_ROWS // PER, LAYOUT)
 
 
 @gluon.jit
@@ -501,20 +502,12 @@ def ws_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, permuted: bool = Fals
     column order unless ``permuted``), or with ``transpose_w`` ``triton_lang.input_grad``'s (NVFP4
     ``w`` ``[E, K, N]`` read as its transpose, ``x_mk`` in natural order); ``tile``:
     :class:`WsSpec`'s fields."""
-    from benchmarks.gluon_probe_kernel import launch  # noqa: PLC0415
+    from benchmarks.gluon_probe_kernel import _matmul  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
 
     if not (permuted or transpose_w):
         x_mk = triton_lang.permute_k(x_mk, tile.get("block_k", WsSpec.block_k))
-    m, k = x_mk.shape
-    e, n_w, n_half = w.packed.shape
-    n_out = 2 * n_half if transpose_w else n_w // 2 if op is Op.GATE_UP_SWIGLU else n_w
-    g = w.global_scale.reshape(e, -1).astype(jnp.float32)
-    spec = WsSpec(op=op, num_rows=m, num_experts=e, k=k, n_out=n_out, scale_groups=g.shape[1],
-                  transpose_w=transpose_w, **tile)
-    if out is None:
-        out = jnp.zeros((m, n_out), jnp.bfloat16)
-    return launch(spec, group_sizes_e, x_mk, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), g, out)
+    return _matmul(WsSpec, op, x_mk, w, group_sizes_e, out, transpose_w=transpose_w, **tile)
 
 
 def ws_bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, out=None, transpose_w: bool = False, **tile):

@@ -171,10 +171,14 @@ def _check_quantizable(w, name: str) -> None:
         raise ValueError(f"{name}: K = shape[-1] = {w.shape[-1]}, expected a multiple of {BLOCK}")
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{name}: dtype {w.dtype}, expected a floating dtype")
-    if not isinstance(w, jax.core.Tracer):
-        bad = int(jnp.size(w) - jnp.count_nonzero(jnp.isfinite(w)))
-        if bad:
-            raise ValueError(f"{name}: {bad} non-finite values (NaN or Inf); NVFP4 has no encoding for them")
+    if 0 in w.shape:
+        raise ValueError(f"{name}: shape {tuple(w.shape)}, expected no zero-size dimension")
+
+
+def _check_finite(w_host: np.ndarray, name: str) -> None:
+    bad = int(w_host.size - np.count_nonzero(np.isfinite(w_host)))
+    if bad:
+        raise ValueError(f"{name}: {bad} non-finite values (NaN or Inf); NVFP4 has no encoding for them")
 
 
 def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
@@ -198,7 +202,8 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     (inside ``jit``, ``shard_map``) are quantized where the computation runs; tests check them
     bit for bit against the host's result and an independent numpy implementation of ModelOpt's
     recipe (``tests/test_nvfp4.py``) and on a GPU (``tests/test_nvfp4_gpu.py``). Concrete inputs
-    are quantized on the host CPU and the result is put back where ``w`` was.
+    are quantized on the host CPU, in chunks of blocks whose compiled programs every shape shares
+    (:func:`_quantize_on_host`), and the result is put back where ``w`` was.
 
     ModelOpt itself usually runs on a GPU, where PyTorch computes ``amax / 2688`` as
     ``amax * fp32(1 / 2688)``; that rounds differently from the true division used here, so a
@@ -207,18 +212,20 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     loader must never re-quantize tensors a checkpoint already holds in NVFP4.
 
     Raises:
-      ValueError: rank < 2, K not a multiple of 16, a non-floating dtype, or (for concrete
-        inputs) any NaN/Inf.
+      ValueError: rank < 2, K not a multiple of 16, a zero-size dimension, a non-floating dtype,
+        or (for concrete inputs) any NaN/Inf.
     """
     _check_quantizable(w, name)
     if isinstance(w, jax.core.Tracer):
         return _quantize(w)
     w = jnp.asarray(w)
-    t = _quantize(jax.device_put(w, jax.devices("cpu")[0]))
+    w_host = np.asarray(w)
+    _check_finite(w_host, name)
+    t = _quantize_on_host(w_host)
     # Back where w was: pinned there if w was, else uncommitted on the default device.
     if w.committed:
         return jax.device_put(t, w.sharding)
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), t)
+    return jax.tree.map(jnp.asarray, t)
 
 
 def _round_to_e4m3(ratio: jax.Array) -> jax.Array:
@@ -250,27 +257,32 @@ def _materialized(x):
     return jax.lax.optimization_barrier(x)
 
 
-@jax.jit
-def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tensor:
-    """``w [..., N, K]`` against its own global scale ``amax / (6 * 448)`` per matrix, or against
-    ``global_scale`` (float32 ``[...]``, finite, > 0) when given: then a block whose amax exceeds
-    ``6 * 448 * global_scale`` gets the clamped scale 448 and its codes saturate at +-6."""
-    # Everything on float32 bits (uint32): maxima of magnitudes are integer maxima, the three
-    # quotients and two products are divide_bits and multiply_bits, the E2M1 thresholds are
-    # integer comparisons.
-    # The only float arithmetic is _round_to_e4m3's, exact and on normal numbers.
+def _blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``w [..., N, K]`` as the bits of its 16-element blocks: ``(magnitude, negative)`` uint32
+    ``[..., N, K/16, 16]`` and each block's largest magnitude ``[..., N, K/16]``."""
     bits = as_float32_bits(w)
     *lead, n, k = w.shape
     magnitude = (bits & u32(0x7FFFFFFF)).reshape(*lead, n, k // BLOCK, BLOCK)
     negative = (bits >> 31).reshape(*lead, n, k // BLOCK, BLOCK)
-    block_amax = _materialized(jnp.max(magnitude, axis=-1))
-    if global_scale is None:
-        amax = jnp.max(block_amax, axis=(-2, -1))
-        global_bits = divide_bits(amax, f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
-    else:
-        global_bits = f32_bits(global_scale)
+    return magnitude, negative, _materialized(jnp.max(magnitude, axis=-1))
+
+
+def _global_bits(amax: jax.Array) -> jax.Array:
+    """A matrix's global scale ``amax / (6 * 448)``, as bits, from the bits of its amax."""
+    return divide_bits(amax, f32_bits(jnp.float32(E2M1_MAX * E4M3_MAX)))
+
+
+def _encode_blocks(magnitude: jax.Array, negative: jax.Array, block_amax: jax.Array,
+                   global_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The recipe of each block against its matrix's global scale: ``(codes uint8 [..., 16],
+    block scales float32 [...])``, exactly the stored E4M3 values. ``magnitude`` and ``negative``
+    as :func:`_blocks` gives them, ``global_bits`` broadcasting against ``block_amax``; a block
+    whose amax exceeds ``6 * 448 * global`` gets the clamped scale 448 and saturated codes."""
+    # Everything on float32 bits (uint32): the quotients and products are divide_bits and
+    # multiply_bits, the E2M1 thresholds are integer comparisons. The only float arithmetic is
+    # _round_to_e4m3's, exact and on normal numbers.
     six_global = multiply_bits(global_bits, f32_bits(jnp.float32(E2M1_MAX)))
-    ratio = divide_bits(block_amax, _materialized(divisor(six_global[..., None, None])))
+    ratio = divide_bits(block_amax, _materialized(divisor(six_global)))
     # A zero matrix makes ratio 0/0; ModelOpt leaves that NaN, which would poison the scale.
     ratio = jnp.where((ratio == 0) | (ratio > INF_BITS), f32_bits(jnp.float32(1.0)), ratio)
     # ModelOpt >= 0.45 clamps to E4M3's range, so a tiny block keeps the smallest subnormal
@@ -278,7 +290,7 @@ def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tenso
     # floats are ordered as the floats are.)
     ratio = jnp.clip(ratio, f32_bits(jnp.float32(E4M3_MIN_SUBNORMAL)), f32_bits(jnp.float32(E4M3_MAX)))
     block_scale = _round_to_e4m3(bits_f32(ratio))  # float32, exactly the stored E4M3 value
-    denominator = multiply_bits(f32_bits(block_scale), global_bits[..., None, None])
+    denominator = multiply_bits(f32_bits(block_scale), global_bits)
     block_scale, denominator = _materialized((block_scale, denominator))
     scaled = divide_bits(magnitude, _materialized(divisor(denominator[..., None])))
     # In an all-zero matrix (global scale 0) every element is 0/0; ModelOpt encodes that NaN
@@ -288,11 +300,82 @@ def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tenso
     codes = _e2m1_magnitude_code(scaled) | ((negative & (scaled != 0)).astype(jnp.uint8) << 3)
     # Materialized before packing: fused with pack_codes' strided pairs, XLA:CPU's loop over the
     # elements no longer vectorizes (the codes took 5x as long).
-    codes = _materialized(codes)
+    return _materialized(codes), block_scale
+
+
+@jax.jit
+def _quantize(w: jax.Array, global_scale: jax.Array | None = None) -> NVFP4Tensor:
+    """``w [..., N, K]`` against its own global scale ``amax / (6 * 448)`` per matrix, or against
+    ``global_scale`` (float32 ``[...]``, finite, > 0) when given: then a block whose amax exceeds
+    ``6 * 448 * global_scale`` gets the clamped scale 448 and its codes saturate at +-6."""
+    *lead, n, k = w.shape
+    magnitude, negative, block_amax = _blocks(w)
+    global_bits = _global_bits(jnp.max(block_amax, axis=(-2, -1))) if global_scale is None else f32_bits(global_scale)
+    codes, block_scale = _encode_blocks(magnitude, negative, block_amax, global_bits[..., None, None])
     return NVFP4Tensor(
         packed=pack_codes(codes.reshape(*lead, n, k)),
         scales=block_scale.astype(jnp.float8_e4m3fn),
         global_scale=bits_f32(global_bits),
+    )
+
+
+#: The host quantizer's chunk sizes, in blocks: a concrete tensor goes through the recipe in
+#: chunks of at most the largest, each padded to a power of two from the smallest, so that
+#: every tensor shape runs through the same few compiled programs. (One program per shape
+#: cost ~0.4 s of tracing and compiling each; the test suite quantizes ~100 shapes.)
+_HOST_CHUNK_BLOCKS = (1 << 10, 1 << 20)
+
+
+def _bucket(size: int) -> int:
+    return max(_HOST_CHUNK_BLOCKS[0], 1 << (size - 1).bit_length())
+
+
+_host_global_bits = jax.jit(_global_bits)
+
+
+@jax.jit
+def _host_block_amax(w_c16: jax.Array) -> jax.Array:
+    return _blocks(w_c16)[2][:, 0]
+
+
+@jax.jit
+def _host_encode(w_c16: jax.Array, global_bits_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    magnitude, negative, block_amax = _blocks(w_c16)
+    codes, block_scale = _encode_blocks(magnitude, negative, block_amax, global_bits_c[:, None])
+    return pack_codes(codes.reshape(-1, BLOCK)), block_scale[:, 0].astype(jnp.float8_e4m3fn)
+
+
+def _on_host_chunks(fn, *arrays: np.ndarray) -> list[np.ndarray]:
+    """``fn`` over the rows of ``arrays`` (equal first dimensions: blocks) on the host CPU, in
+    padded chunks of :data:`_HOST_CHUNK_BLOCKS`; its outputs concatenated, padding removed."""
+    cpu = jax.devices("cpu")[0]
+    total = arrays[0].shape[0]
+    parts = []
+    for start in range(0, total, _HOST_CHUNK_BLOCKS[1]):
+        pieces = [a[start:start + _HOST_CHUNK_BLOCKS[1]] for a in arrays]
+        size = pieces[0].shape[0]
+        padded = [np.pad(p, [(0, _bucket(size) - size)] + [(0, 0)] * (p.ndim - 1)) for p in pieces]
+        out = fn(*(jax.device_put(p, cpu) for p in padded))
+        parts.append([np.asarray(o)[:size] for o in (out if isinstance(out, tuple) else (out,))])
+    return [np.concatenate(column) for column in zip(*parts)]
+
+
+def _quantize_on_host(w_host: np.ndarray) -> NVFP4Tensor:
+    """:func:`_quantize` of a concrete ``w [..., N, K]`` (numpy, finite) on the host CPU, through
+    the same recipe (:func:`_blocks`, :func:`_global_bits`, :func:`_encode_blocks`) on
+    chunks of blocks: each block's result depends only on its 16 values and its matrix's global
+    scale, which the amax of the matrix's blocks gives first."""
+    *lead, n, k = w_host.shape
+    matrices, blocks_per_matrix = int(np.prod(lead, dtype=np.int64)), n * k // BLOCK
+    w_c16 = w_host.reshape(-1, BLOCK)
+    (block_amax,) = _on_host_chunks(_host_block_amax, w_c16)
+    amax_m = block_amax.reshape(matrices, blocks_per_matrix).max(axis=1)
+    (global_bits_m,) = _on_host_chunks(_host_global_bits, amax_m)
+    packed, scales = _on_host_chunks(_host_encode, w_c16, np.repeat(global_bits_m, blocks_per_matrix))
+    return NVFP4Tensor(
+        packed=packed.reshape(*lead, n, k // 2),
+        scales=scales.reshape(*lead, n, k // BLOCK),
+        global_scale=global_bits_m.view(np.float32).reshape(lead),
     )
 
 

@@ -213,6 +213,9 @@ def test_shapes_and_dtypes():
         (np.ones((4, 32), np.int32), "expected a floating dtype"),
         (np.where(np.eye(4, 32) > 0, np.nan, 1.0).astype(np.float32), "4 non-finite values"),
         (np.where(np.eye(4, 32) > 0, np.inf, 1.0).astype(np.float32), "non-finite"),
+        (np.ones((0, 32), np.float32), "shape \\(0, 32\\), expected no zero-size dimension"),
+        (np.ones((3, 0, 32), np.float32), "shape \\(3, 0, 32\\), expected no zero-size dimension"),
+        (np.ones((3, 8, 0), np.float32), "shape \\(3, 8, 0\\), expected no zero-size dimension"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(w, message):
@@ -404,6 +407,29 @@ def test_quantize_traced_inside_jit_gives_the_hosts_bits(rng, case, dtype):
 
     mapped = jax.jit(jax.vmap(nvfp4.quantize))(jnp.asarray(w))
     assert_bit_exact(mapped, host, w32, case)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+def test_the_host_s_chunks_give_the_whole_tensor_s_bits(rng, monkeypatch, case, dtype):
+    """A concrete tensor is quantized in padded chunks of blocks: with chunks of at most 16
+    blocks (here 90 blocks in 3 matrices: matrices straddle chunks, the last chunk is padded),
+    the bits are those of the whole tensor quantized traced in one program, and ModelOpt's."""
+    monkeypatch.setattr(nvfp4, "_HOST_CHUNK_BLOCKS", (4, 16))
+    w = random_weights(rng, case, (3, 10, 48)).astype(dtype)
+    chunked = nvfp4.quantize(jnp.asarray(w))
+    whole = jax.jit(nvfp4.quantize)(jnp.asarray(w))
+    assert_bit_exact(chunked, whole, np.asarray(w, np.float32), case)
+
+
+def test_the_host_s_programs_do_not_grow_with_the_shapes(rng):
+    """Concrete tensors of different shapes but the same block-count bucket and dtype share the
+    host quantizer's compiled programs (one per shape took ~0.4 s to trace and compile)."""
+    nvfp4.quantize(jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32))
+    programs = nvfp4._host_encode._cache_size(), nvfp4._host_block_amax._cache_size()
+    for shape in [(16, 32), (3, 8, 64), (5, 4, 16, 16), (7, 40, 48)]:
+        nvfp4.quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    assert (nvfp4._host_encode._cache_size(), nvfp4._host_block_amax._cache_size()) == programs
 
 
 @pytest.mark.parametrize("case", WEIGHT_CASES)

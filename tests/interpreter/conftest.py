@@ -1,6 +1,7 @@
-"""``tests/interpreter/`` runs only where triton 3.9.0 is installed (``./run test`` runs it in
-``.venv-interpret``); anywhere else its tests skip with that reason. Triton reads
-``TRITON_INTERPRET`` when a kernel is defined, so it is set here, before the kernels are imported."""
+"""``tests/interpreter/`` runs only where triton 3.9.0 is installed (``./run test`` runs it with
+triton 3.9.0 from ``.triton-interpret`` first on its path); anywhere else its tests skip with that
+reason. Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so it is set here, before the
+kernels are imported."""
 
 import importlib.metadata
 import os
@@ -23,6 +24,6 @@ def pytest_collection_modifyitems(config, items):
     if _TRITON != interpreted.TRITON_VERSION:
         for item in ours:
             item.add_marker(pytest.mark.skip(reason=f"needs triton {interpreted.TRITON_VERSION} (found {_TRITON}); ./run test runs "
-                                                    "tests/interpreter in .venv-interpret"))
+                                                    "tests/interpreter with triton 3.9.0 from .triton-interpret"))
         return
     interpreted.install()

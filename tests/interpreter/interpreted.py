@@ -2,7 +2,7 @@
 Triton's interpreter on CPU, with NumPy buffers and every memory access bounds-checked.
 
 Needs triton 3.9.0 and ``TRITON_INTERPRET=1`` before triton is imported (``./run test`` runs
-``tests/interpreter/`` in ``.venv-interpret`` so; see ``conftest.py`` there).
+``tests/interpreter/`` so, with ``.triton-interpret``'s triton; see ``conftest.py`` there).
 
 Triton 3.9.0's interpreter is close to what the GPU does but for four things that matter here,
 corrected in one place, :func:`install`, against its private names (it raises if they moved):
@@ -59,7 +59,7 @@ def check_environment() -> str | None:
         return "triton is not installed"
     if triton.__version__ != TRITON_VERSION:
         return (f"triton {triton.__version__}; the W4A4 interpreter tests need {TRITON_VERSION} (./run test runs "
-                "them in .venv-interpret)")
+                "them with triton 3.9.0 from .triton-interpret)")
     return None
 
 

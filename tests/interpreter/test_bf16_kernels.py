@@ -6,7 +6,7 @@ under test), the real tile schedule, NaN-poisoned outputs whose padding rows mus
 load and store bounds-checked; the forward kernels (plain and fused gate/up + SwiGLU) and the
 transposed-weight matmul (an input gradient's ``dy @ W_e``) against float64.
 
-Run by ``./run test`` in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``).
+Run by ``./run test`` with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations

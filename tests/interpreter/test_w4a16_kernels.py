@@ -9,7 +9,7 @@ Both the forward kernels (plain and fused gate/up + SwiGLU) and the input-gradie
 (``dy @ W_e``) are compared with float64 references written from the NVFP4 definition
 (``nvfp4_float64``).
 
-Run by ``./run test`` in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``).
+Run by ``./run test`` with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations

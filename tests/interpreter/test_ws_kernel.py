@@ -4,7 +4,7 @@ float64. The interpreter runs the loop unspecialized: this checks the indexing, 
 (rows past an expert's end read and dropped, boxes past M filled with zeros) and the epilogue,
 not the producer/consumer synchronization, which only the GPU exercises (benchmarks/ws_probe.py).
 
-Run in ``.venv-interpret`` (triton 3.9.0, ``TRITON_INTERPRET=1``, see conftest.py).
+Run with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``, see conftest.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The console script: `moe-jax explain`, `moe-jax demo` and `moe-jax selftest`'s output."""
 
+import os
 import subprocess
 import sys
 
@@ -42,10 +43,13 @@ def test_explain_reports_an_invalid_choice(capsys):
 
 
 def test_demo_runs_and_checks_itself():
-    # As a user runs it: the installed console script's module, in a fresh process.
+    # As a user runs it: the installed console script's module, in a fresh process, with XLA's
+    # own code generation (the suite's cheapest one slows the demo's quantizer and calls by more
+    # than it saves compiling: 17 against 12 s of CPU).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
     out = subprocess.run(
         [sys.executable, "-m", "moe_jax.cli", "demo", "--tokens", "64", "--iters", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": " ".join(flags)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "relative error vs float64 reference of the same NVFP4 weights" in out.stdout

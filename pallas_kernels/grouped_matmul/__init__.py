@@ -119,11 +119,20 @@ def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, 
     if not is_nvfp4(w):
         raise ValueError(f"w: {type(w).__name__}, expected NVFP4 weights (.packed, .scales, .global_scale); "
                          "bf16 weights go to grouped_matmul_input_grad as they are")
-    fmt, (packed, scales_u8, global_scale), k, _ = _weight_format(w, "w", Op.MATMUL, num_experts, n, transpose_w=True)
+    _, weight_arrays, _, _ = _weight_format(w, "w", Op.MATMUL, num_experts, n, transpose_w=True)
+    # One program: called eagerly, each step of the dequantization would materialize an int32
+    # copy of every code (4 bytes a weight) instead of fusing into one pass.
+    return _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out):
+    packed, scales_u8, global_scale = weight_arrays
+    (num_experts, n, half), m = packed.shape, dy_mn.shape[0]
     with jax.named_scope("dequantized_input_grad"):
-        w_enk = pallas_triton.dequantize_tile(packed.reshape(num_experts * n, k // 2),
-                                              scales_u8.reshape(num_experts * n, k // 16), Dequant.EXACT,
-                                              Order.MODELOPT).reshape(num_experts, n, k)
+        w_enk = pallas_triton.dequantize_tile(packed.reshape(num_experts * n, half),
+                                              scales_u8.reshape(num_experts * n, half // 8), Dequant.EXACT,
+                                              Order.MODELOPT).reshape(num_experts, n, 2 * half)
         scale_m = global_scale[row_experts(group_sizes_e, m)] * 2.0**pallas_triton.OPERAND_EXPONENT_DEFICIT
         dy_mn = (dy_mn.astype(jnp.float32) * scale_m[:, None]).astype(jnp.bfloat16)
         return grouped_matmul_input_grad(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability,

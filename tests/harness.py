@@ -96,11 +96,15 @@ def plan_or_skip(config: MoEConfig, devices_or_mesh, *, training: bool = False) 
         pytest.skip(str(err))
 
 
+def xla_flags_without(*prefixes: str) -> list[str]:
+    """This process's ``XLA_FLAGS`` but those starting with any of ``prefixes``."""
+    return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(prefixes)]
+
+
 def xla_flags(device_count: int) -> str:
     """This process's ``XLA_FLAGS`` (``tests/conftest.py``'s code generation too) with
     ``device_count`` virtual CPU devices instead of its 8, for a subprocess's environment."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = xla_flags_without("--xla_force_host_platform_device_count")
     return " ".join([*flags, f"--xla_force_host_platform_device_count={device_count}"])
 
 

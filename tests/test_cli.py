@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import PROBE_CONFIG, exchanges_that_run, mesh_for
+from harness import PROBE_CONFIG, exchanges_that_run, mesh_for, xla_flags_without
 
 from moe_jax import cli
 
@@ -46,7 +46,7 @@ def test_demo_runs_and_checks_itself():
     # As a user runs it: the installed console script's module, in a fresh process, with XLA's
     # own code generation (the suite's cheapest one slows the demo's quantizer and calls by more
     # than it saves compiling: 17 against 12 s of CPU).
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
+    flags = xla_flags_without("--xla_backend_optimization_level")
     out = subprocess.run(
         [sys.executable, "-m", "moe_jax.cli", "demo", "--tokens", "64", "--iters", "2"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": " ".join(flags)},

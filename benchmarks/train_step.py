@@ -286,6 +286,14 @@ def native_gemm(op: str, cc: int):
     raise ValueError(op)
 
 
+def dequantized_gemm(cc: int, interpret: bool):
+    """The NVFP4 input gradient through one bf16 copy of the weights (what both backends take at
+    many rows per expert, ``tuning.dequantize_for_input_grad``), whatever the rule says here."""
+    from pallas_kernels.grouped_matmul import dequantized_input_grad  # noqa: PLC0415
+
+    return lambda a, b, g: dequantized_input_grad(a, b, g, compute_capability=cc, interpret=interpret)
+
+
 def torch_step(wrt_weights: bool):
     """The SwiGLU expert MLP with ``torch._grouped_mm`` (autograd: torch's own derivatives)."""
     import torch  # noqa: PLC0415
@@ -597,6 +605,8 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
             impls = {"pallas": (("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))}
             if case.fmt == "nvfp4" and not ctx.interpret:
                 impls["triton"] = (("native gemm", op), lambda: native_gemm(op, ctx.cc))
+            if case.fmt == "nvfp4" and op == "input_grad":
+                impls["dequantized"] = (("dequantized gemm", op), lambda: dequantized_gemm(ctx.cc, ctx.interpret))
             for impl, (key, make) in impls.items():
                 row = {**base, "impl": impl}
                 out.append(row)
@@ -801,7 +811,7 @@ def markdown(data: dict) -> str:
             "| weights | grads | routing | M | impl | time (ms) | TFLOP/s | err | vs xla | torch / this | note |",
             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|",
         ]
-    order = {ANCHOR_IMPL: -1, "pallas": 0, "triton": 1, "torch": 2, "xla": 3}
+    order = {ANCHOR_IMPL: -1, "pallas": 0, "triton": 1, "dequantized": 2, "torch": 3, "xla": 4}
     # Each anchor once, first among the configurations with its rows and gradients (uniform routing).
     listed = [*data["steps"], *({**a, "weights": "bf16 (dense)", "routing": "-"} for a in anchors)]
     steps = sorted(listed, key=lambda r: (r["grads"] != "x, w", r["routing"] not in ("uniform", "-"), r["rows"],

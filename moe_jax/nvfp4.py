@@ -218,12 +218,13 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     _check_quantizable(w, name)
     if isinstance(w, jax.core.Tracer):
         return _quantize(w)
-    w = jnp.asarray(w)
-    w_host = np.asarray(w)
+    # A numpy input goes straight to the host computation (no round trip through a device), in
+    # the dtype jnp.asarray would give it (float64 is float32 without x64).
+    w_host = np.asarray(w, jax.dtypes.canonicalize_dtype(w.dtype))
     _check_finite(w_host, name)
     t = _quantize_on_host(w_host)
     # Back where w was: pinned there if w was, else uncommitted on the default device.
-    if w.committed:
+    if isinstance(w, jax.Array) and w.committed:
         return jax.device_put(t, w.sharding)
     return jax.tree.map(jnp.asarray, t)
 

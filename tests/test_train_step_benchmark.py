@@ -69,9 +69,12 @@ def test_smoke_steps_and_gemms(tmp_path):
     assert [row["weights"] for row in pallas] == ["bf16", "nvfp4"]
     for row in pallas:
         assert math.isfinite(row["err_vs_xla"]) and row["err_vs_xla"] < bound, row
-    assert [(r["projection"], r["weights"], r["op"]) for r in data["gemms"]] == [
-        *((p, "bf16", op) for p in ("gate_up", "down") for op in ("forward", "input_grad", "weight_grad")),
-        *((p, "nvfp4", op) for p in ("gate_up", "down") for op in ("forward", "input_grad"))]
+    # NVFP4 input gradients twice: the kernel reading NVFP4, and through one bf16 copy of the weights.
+    assert [(r["projection"], r["weights"], r["op"], r["impl"]) for r in data["gemms"]] == [
+        *((p, "bf16", op, "pallas") for p in ("gate_up", "down") for op in ("forward", "input_grad", "weight_grad")),
+        *(row for p in ("gate_up", "down") for row in (
+            (p, "nvfp4", "forward", "pallas"), (p, "nvfp4", "input_grad", "pallas"),
+            (p, "nvfp4", "input_grad", "dequantized")))]
     # The dense anchor: once per rows and gradients, timed; each step row's TFLOP/s over it.
     anchors = data["anchors"]
     assert [(a["impl"], a["grads"], a["rows"]) for a in anchors] == [

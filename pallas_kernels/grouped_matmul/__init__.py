@@ -8,6 +8,7 @@ Public API::
 the two products a backward pass needs::
 
     grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability, interpret=False)
+    dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability, interpret=False)
     grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability, interpret=False,
                                out_dtype=jnp.float32)
 
@@ -56,12 +57,12 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul import pallas_triton
 from pallas_kernels.grouped_matmul import tuning
-from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp
+from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp, is_nvfp4, row_experts
 from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["PALLAS", "Backend", "expert_mlp", "gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad",
-           "grouped_matmul_weight_grad", "run"]
+__all__ = ["PALLAS", "Backend", "dequantized_input_grad", "expert_mlp", "gate_up_swiglu", "grouped_matmul",
+           "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "input_grad", "run"]
 
 K_MULTIPLE = 64
 N_MULTIPLE = 16
@@ -97,6 +98,56 @@ def grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: in
     """
     return run(Op.MATMUL, dy_mn, w, group_sizes_e, compute_capability=compute_capability, interpret=interpret,
                out=out, transpose_w=True)
+
+
+def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool = False,
+                           out=None) -> jax.Array:
+    """bf16 ``[M, K]``: :func:`grouped_matmul_input_grad` of NVFP4 weights through one bf16 copy of
+    them: XLA dequantizes ``w`` once (``[E, N, K]`` bf16, ``code * scale``, exact:
+    :func:`.pallas_triton.dequantize_copy`), and the bf16 kernel multiplies. Each row of ``dy_mn``
+    is scaled by its expert's global scale in float32 before its bf16 rounding, where the NVFP4
+    kernels scale the output row instead: one rounding of ``dy`` more, as small as the output's own.
+
+    The copy takes ``2 E N K`` bytes for the duration of the call: a trade of memory for speed
+    that :func:`input_grad` makes by :func:`.tuning.dequantize_for_input_grad`. Arguments as
+    :func:`grouped_matmul_input_grad`'s; ``w`` must be NVFP4 with one global scale per expert.
+    """
+    if np.dtype(dy_mn.dtype) != np.dtype(jnp.bfloat16) or dy_mn.ndim != 2:
+        raise ValueError(f"dy_mn: {dy_mn.dtype}{list(dy_mn.shape)}, expected bfloat16 [M, N]")
+    _check_group_sizes(group_sizes_e)
+    num_experts, (m, n) = group_sizes_e.shape[0], dy_mn.shape
+    if not is_nvfp4(w):
+        raise ValueError(f"w: {type(w).__name__}, expected NVFP4 weights (.packed, .scales, .global_scale); "
+                         "bf16 weights go to grouped_matmul_input_grad as they are")
+    _, weight_arrays, _, _ = _weight_format(w, "w", Op.MATMUL, num_experts, n, transpose_w=True)
+    # One program: called eagerly, each step of the dequantization would materialize an int32
+    # copy of every code (4 bytes a weight) instead of fusing into one pass.
+    return _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out):
+    packed, scales_u8, global_scale = weight_arrays
+    (num_experts, n, half), m = packed.shape, dy_mn.shape[0]
+    with jax.named_scope("dequantized_input_grad"):
+        w_enk = pallas_triton.dequantize_copy(packed.reshape(num_experts * n, half),
+                                              scales_u8.reshape(num_experts * n, half // 8)).reshape(num_experts, n,
+                                                                                                     2 * half)
+        scale_m = global_scale[row_experts(group_sizes_e, m)]
+        dy_mn = (dy_mn.astype(jnp.float32) * scale_m[:, None]).astype(jnp.bfloat16)
+        return grouped_matmul_input_grad(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability,
+                                         interpret=interpret, out=out)
+
+
+def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool = False) -> jax.Array:
+    """:data:`PALLAS`' input gradient: NVFP4 weights through :func:`dequantized_input_grad` where
+    :func:`.tuning.dequantize_for_input_grad` says so, else :func:`grouped_matmul_input_grad`."""
+    if is_nvfp4(w) and tuning.dequantize_for_input_grad(num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0],
+                                                         n=w.packed.shape[1], k=2 * w.packed.shape[2]):
+        return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability,
+                                      interpret=interpret)
+    return grouped_matmul_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability,
+                                     interpret=interpret)
 
 
 def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, interpret: bool = False,
@@ -159,7 +210,7 @@ def _weight_format(w, name: str, op: Op, num_experts: int, k: int,
     """Validates ``w``; returns its format, the kernel's weight operands, the output width N
     (the weight's rows; its columns when ``transpose_w``) and the global scales per expert
     (1; or 2, gate's and up's, for the fused op)."""
-    if all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale")):
+    if is_nvfp4(w):
         packed, scales, global_scale = w.packed, w.scales, w.global_scale
         checks = (("packed", packed, np.uint8, (3,)), ("scales", scales, _FLOAT8_E4M3FN, (3,)),
                   ("global_scale", global_scale, np.float32, (1, 2)))
@@ -300,5 +351,5 @@ def _expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capab
 
 
 #: These kernels as :func:`expert_mlp`'s backend: bf16 or NVFP4 weights, interpret mode on CPU.
-PALLAS = Backend(name="pallas", forward=_expert_mlp_forward, matmul=grouped_matmul,
-                 input_grad=grouped_matmul_input_grad, weight_grad=grouped_matmul_weight_grad)
+PALLAS = Backend(name="pallas", forward=_expert_mlp_forward, matmul=grouped_matmul, input_grad=input_grad,
+                 weight_grad=grouped_matmul_weight_grad)

@@ -59,7 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Backend", "expert_mlp", "swiglu"]
+__all__ = ["Backend", "expert_mlp", "is_nvfp4", "row_experts", "swiglu"]
 
 
 class Backend(NamedTuple):
@@ -92,7 +92,8 @@ class _NVFP4(NamedTuple):
     global_scale: jax.Array
 
 
-def _is_nvfp4(w) -> bool:
+def is_nvfp4(w) -> bool:
+    """Whether ``w`` is NVFP4 weights (``.packed``, ``.scales``, ``.global_scale``): the kernels' duck test."""
     return all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale"))
 
 
@@ -110,7 +111,7 @@ def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, comp
                          "or triton_lang.W4A16_BACKEND)")
     if quantize is not None:
         for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-            if _is_nvfp4(w):
+            if is_nvfp4(w):
                 raise ValueError(f"{name}: NVFP4 weights, expected float masters with quantize (they are quantized "
                                  "here every call); pass quantize=None for NVFP4 weights, which are frozen")
     return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, group_sizes_e, w_gate_up, w_down)
@@ -128,20 +129,25 @@ def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quan
                            _kernel_weight(w_down, quantize), compute_capability=compute_capability, interpret=interpret)
 
 
-def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
-    """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
-    last expert's, harmless: their values are never used)."""
+def row_experts(group_sizes_e, num_rows: int) -> jax.Array:
+    """int32 ``[M]``: each row's expert (padding rows past ``sum(group_sizes_e)``: the last one)."""
     # Unrolled, as the kernels' tile schedule: the default method is a device-side while loop.
     expert_m = jnp.searchsorted(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), jnp.arange(num_rows), side="right",
                                 method="scan_unrolled")
-    return global_scale_e2[jnp.minimum(expert_m, group_sizes_e.shape[0] - 1)]
+    return jnp.minimum(expert_m, group_sizes_e.shape[0] - 1).astype(jnp.int32)
+
+
+def _row_half_scales(global_scale_e2, group_sizes_e, num_rows: int) -> jax.Array:
+    """float32 ``[M, 2]``: each row's expert's gate and up global scales (padding rows: the
+    last expert's, harmless: their values are never used)."""
+    return global_scale_e2[row_experts(group_sizes_e, num_rows)]
 
 
 def _one_scale_per_expert(w_gate_up, group_sizes_e, num_rows: int):
     """``(w, half_scales_m2)``: the gate/up weight as the plain matmul and the input gradient
     take it (one global scale per expert), and None, or, for gate and up with their own global
     scales (``[E, 2]``), the weight with 1.0 and each row's ``[gate, up]`` scales to multiply instead."""
-    if not (_is_nvfp4(w_gate_up) and w_gate_up.global_scale.shape[1:] == (2,)):
+    if not (is_nvfp4(w_gate_up) and w_gate_up.global_scale.shape[1:] == (2,)):
         return w_gate_up, None
     ones = jnp.ones(w_gate_up.global_scale.shape[:1], jnp.float32)
     return (_NVFP4(packed=w_gate_up.packed, scales=w_gate_up.scales, global_scale=ones),
@@ -160,7 +166,7 @@ def _per_half(h_mg, half_scales_m2):
 def _trainable(w):
     """None for frozen (NVFP4) weights; else an empty slice, which carries the weight's dtype and,
     under ``shard_map``, the mesh axes it varies over (residuals must be arrays)."""
-    return None if _is_nvfp4(w) else w.reshape(-1)[:0]
+    return None if is_nvfp4(w) else w.reshape(-1)[:0]
 
 
 def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, quantize, x_mh, group_sizes_e,

@@ -43,7 +43,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import PALLAS, grouped_matmul_weight_grad, pallas_triton
+from pallas_kernels.grouped_matmul import PALLAS, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.expert_mlp import Backend
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
@@ -965,7 +965,12 @@ def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret:
 
 
 def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    """:func:`input_grad`, or through one bf16 copy of the weights where
+    :func:`tuning.dequantize_for_input_grad` says so (many rows per expert)."""
     _not_interpreted(interpret)
+    if tuning.dequantize_for_input_grad(num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0],
+                                        n=w.packed.shape[1], k=2 * w.packed.shape[2]):
+        return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
     return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
 
 
@@ -985,8 +990,9 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
 
 
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
-#: NVFP4 weights): the weight gradient (of ``qat`` masters) is a dense product, the Pallas
-#: kernel's, the one there is.
+#: NVFP4 weights): the input gradient at many rows per expert through one bf16 copy of the
+#: weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the weight gradient (of ``qat``
+#: masters) is a dense product, the Pallas kernel's, the one there is.
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
                         input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad)
 

@@ -196,6 +196,27 @@ def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capabili
     return many if num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts else few
 
 
+# The NVFP4 input gradient ``dy @ W_e`` through one bf16 copy of the weights: an XLA pass
+# dequantizes them once (reading 0.56 bytes a weight, writing 2), then the bf16 kernel runs. The
+# kernels that read NVFP4 dequantize every weight tile once per row tile they meet and run at
+# 0.4-0.67x their forward's rate (benchmarks/NOTES.md, "Training"), so from a few hundred rows per
+# expert the copy's pass costs less than the difference. SM90, measured on an H200 at 48 experts
+# (benchmarks/results/train_step_h200/): see :func:`dequantize_for_input_grad`.
+#: Rows per expert (on average) from which the input gradient goes through the bf16 copy.
+DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT = 256
+#: The most bytes the bf16 copy may take (beyond it, the kernels that read NVFP4 run): 48 experts
+#: of Kimi K2's gate/up (EP 8) take 2.8 GB, 96 take 5.6; all 384 on one GPU would take 22.5.
+DEQUANTIZED_INPUT_GRAD_MAX_BYTES = 6 << 30
+
+
+def dequantize_for_input_grad(*, num_rows: int, num_experts: int, n: int, k: int) -> bool:
+    """Whether the NVFP4 input gradient of ``[E, N, K]`` weights over ``num_rows`` rows goes
+    through one bf16 copy of the weights (at least :data:`DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT`
+    rows per expert on average, a copy of at most :data:`DEQUANTIZED_INPUT_GRAD_MAX_BYTES`)."""
+    return (num_rows >= DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT * num_experts
+            and 2 * num_experts * n * k <= DEQUANTIZED_INPUT_GRAD_MAX_BYTES)
+
+
 def weight_grad_shared_memory(config: TileConfig) -> int:
     """Bytes of the ``dy`` and ``x`` row tiles the weight-gradient pipeline holds in flight."""
     return config.num_stages * config.block_m * (config.block_n + config.block_k) * 2

@@ -2,6 +2,8 @@
 
 * ``grouped_matmul_input_grad(dy, w, g)``: ``dy_e @ W_e`` with ``W`` read as stored (bf16 or
   NVFP4 dequantized in the kernel), the gradient of ``grouped_matmul`` with respect to ``x``;
+* ``dequantized_input_grad(dy, w, g)``: the same product of NVFP4 weights through one bf16 copy
+  of them (the input gradient ``PALLAS`` and the W4A16 backend take at many rows per expert);
 * ``grouped_matmul_weight_grad(x, dy, g)``: ``dy_e^T @ x_e`` per expert, its gradient with
   respect to a dense ``W``.
 
@@ -13,6 +15,8 @@ their buffers (``check_bounds``), which the interpreter would otherwise clamp.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,12 +24,15 @@ import pytest
 from test_grouped_matmul import CASES, GPU_CASES, TOLERANCE, Case, _check, _gpu_capability, _weights
 
 from pallas_kernels.grouped_matmul import (
+    PALLAS,
     Op,
     Variant,
+    dequantized_input_grad,
     grouped_matmul_input_grad,
     grouped_matmul_weight_grad,
     reference,
     run,
+    tuning,
 )
 
 
@@ -41,6 +48,16 @@ def _run_input_grad(rng, case: Case, fmt: str, variant: Variant, *, compute_capa
     if interpret:
         out, out_of_bounds = out
         assert int(out_of_bounds[0]) == 0, f"{int(out_of_bounds[0])} load/store lanes outside their buffers"
+    _check(out, reference.grouped_matmul_input_grad(dy, w, group_sizes), padding_poisoned=True)
+
+
+def _run_dequantized_input_grad(rng, case: Case, *, compute_capability: int, interpret: bool):
+    dy = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    w = _weights(rng, "nvfp4", len(case.groups), case.k, case.n)
+    group_sizes = jnp.asarray(case.groups, jnp.int32)
+    poisoned = jnp.full((case.m, case.n), jnp.nan, jnp.bfloat16)
+    out = dequantized_input_grad(dy, w, group_sizes, compute_capability=compute_capability, interpret=interpret,
+                                 out=poisoned)
     _check(out, reference.grouped_matmul_input_grad(dy, w, group_sizes), padding_poisoned=True)
 
 
@@ -93,6 +110,69 @@ def test_gpu_input_grad_matches_float64_reference(rng, case, fmt, variant):
     _run_input_grad(rng, case, fmt, variant, compute_capability=_gpu_capability(), interpret=False)
 
 
+# Each expert's rows take their own global scale (NVFP4 quantization gives every expert its own).
+DEQUANTIZED_CASES = {name: CASES[name] for name in ("empty_and_one_row_groups", "last_expert_empty_and_padding_rows",
+                                                    "groups_sum_past_the_rows", "negative_group_size")}
+
+
+@pytest.mark.parametrize("case", DEQUANTIZED_CASES.values(), ids=DEQUANTIZED_CASES.keys())
+def test_interpret_dequantized_input_grad_matches_float64_reference(rng, case):
+    _run_dequantized_input_grad(rng, case, compute_capability=90, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_dequantized_input_grad_matches_float64_reference(rng, case):
+    _run_dequantized_input_grad(rng, case, compute_capability=_gpu_capability(), interpret=False)
+
+
+def test_the_copy_holds_the_exact_tile_s_values(rng):
+    """``pallas_triton.dequantize_copy`` (the copy's formulation) against ``dequantize_tile``'s
+    EXACT one: every byte value, every E4M3 scale bit pattern but NaN, signs of zeros included."""
+    from pallas_kernels.grouped_matmul import pallas_triton
+
+    scale_bits = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    packed = np.stack([rng.permutation(256).astype(np.uint8) for _ in scale_bits])  # [rows, 256]
+    scales = np.repeat(scale_bits[:, None], 256 // 8, axis=1)  # one block = 8 bytes
+    got = np.asarray(pallas_triton.dequantize_copy(jnp.asarray(packed), jnp.asarray(scales)).astype(jnp.float32))
+    want = np.asarray(pallas_triton.dequantize_tile(jnp.asarray(packed), jnp.asarray(scales), pallas_triton.Dequant.EXACT,
+                                                    pallas_triton.Order.MODELOPT).astype(jnp.float32)) * 2.0**7
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_input_grad_goes_through_a_bf16_copy_from_many_rows_per_expert():
+    """The rule (:func:`tuning.dequantize_for_input_grad`) at Kimi K2's gate/up: 48 experts (EP 8)
+    from 256 rows per expert; never for a copy past the budget (all 384 experts: 22.5 GB)."""
+    rows = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT
+    take = functools.partial(tuning.dequantize_for_input_grad, n=4096, k=7168)
+    assert take(num_rows=rows * 48, num_experts=48) and take(num_rows=32768, num_experts=48)
+    assert not take(num_rows=rows * 48 - 1, num_experts=48) and not take(num_rows=8192, num_experts=48)
+    assert not take(num_rows=rows * 384 * 4, num_experts=384)
+    assert 2 * 384 * 4096 * 7168 > tuning.DEQUANTIZED_INPUT_GRAD_MAX_BYTES >= 2 * 96 * 4096 * 7168
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_pallas_backend_input_grad_follows_the_rule(rng, copied):
+    """``PALLAS.input_grad`` of NVFP4 weights: the bf16 copy at many rows per expert, visible in
+    the HLO by its scope, and the float64 product either way; bf16 weights never copied."""
+    rows = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT
+    sizes = np.array([2 * rows, 0, rows + 20] if copied else [8, 0, 5], np.int32)
+    m, n, k = int(sizes.sum()) + 4, 64, 32
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w = _weights(rng, "nvfp4", len(sizes), n, k)
+    g = jnp.asarray(sizes)
+
+    def call(dy, w, g):
+        return PALLAS.input_grad(dy, w, g, compute_capability=90, interpret=True)
+
+    hlo = jax.jit(call).lower(dy, w, g).as_text(debug_info=True)
+    assert ("dequantized_input_grad" in hlo) == copied
+    _check(call(dy, w, g), reference.grouped_matmul_input_grad(dy, w, g), padding_poisoned=False)
+    bf16_hlo = jax.jit(call).lower(dy, _weights(rng, "bf16", len(sizes), n, k), g).as_text(debug_info=True)
+    assert "dequantized_input_grad" not in bf16_hlo
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
@@ -134,6 +214,10 @@ def test_weight_grad_of_no_rows_is_zero(rng):
      r"^w: shape \(3, 32, 64\), expected \[E=3 \(group_sizes_e\), N=64 \(dy_mn\), K\]"),
     (lambda x, dy, g, w: grouped_matmul_input_grad(dy, w, g, compute_capability=90),
      r"^dy_mn: N=32, expected a positive multiple of 64"),
+    (lambda x, dy, g, w: dequantized_input_grad(x, w, g, compute_capability=90),
+     r"^w: \w+, expected NVFP4 weights"),
+    (lambda x, dy, g, w: dequantized_input_grad(x.astype(jnp.float32), w, g, compute_capability=90),
+     r"^dy_mn: float32\[40, 64\], expected bfloat16"),
 ])
 def test_bad_arguments_raise_naming_the_argument(rng, call, match):
     x = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)

@@ -7,7 +7,9 @@ Backend ``PALLAS`` in the Pallas interpreter on CPU, and its GPU twin with backe
 (frozen: zero cotangent), NVFP4 with gate's and up's own global scales (``[E, 2]``, frozen), and
 float masters with ``quantize=moe_jax.nvfp4.quantize`` (qat: the masters get the gradient of
 their quantization). Every case has padding rows past ``sum(group_sizes)`` (no gradient) and an
-expert without rows (a zero weight gradient). Tolerances, relative Frobenius error: the output
+expert without rows (a zero weight gradient). With many rows per expert the NVFP4 input gradients
+go through one bf16 copy of the weights (``tuning.dequantize_for_input_grad``): the
+``many_rows`` cases. Tolerances, relative Frobenius error: the output
 1e-2 (bf16 rounding), the gradients 2e-2 (the kept gate/up product and the SwiGLU gradient are
 rounded to bf16, where the reference keeps float64).
 """
@@ -23,7 +25,7 @@ import pytest
 from test_grouped_matmul import _gpu_capability
 
 from moe_jax import nvfp4
-from pallas_kernels.grouped_matmul import PALLAS, expert_mlp, reference
+from pallas_kernels.grouped_matmul import PALLAS, expert_mlp, reference, tuning
 
 OUTPUT_TOLERANCE = 1e-2
 GRADIENT_TOLERANCE = 2e-2
@@ -106,15 +108,31 @@ def test_interpret_forward_and_vjp_match_float64_reference(rng, fmt):
            interpret=True)
 
 
+def _many_rows(experts: int) -> tuple[int, ...]:
+    """Group sizes past :data:`tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT` rows per expert on
+    average, one expert empty and one a row over the average."""
+    rows = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT
+    groups = [rows + 5] * experts
+    groups[1], groups[-1] = 0, 2 * rows + 1
+    return tuple(groups)
+
+
+def test_interpret_many_rows_per_expert_vjp_matches_float64_reference(rng):
+    """The input gradients through the bf16 copy, with gate's and up's own global scales."""
+    _check(rng, "nvfp4_own_scales", groups=_many_rows(3), padding=8, h=64, f=64, backend=PALLAS,
+           compute_capability=90, interpret=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows"])
 @pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt != "bf16"])  # the native kernels take NVFP4 only
-def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt):
+def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows):
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.INPUT_GRAD_TILES:
         pytest.skip(f"SM{cc} has no W4A16 input-gradient kernel (W4A16 backward: SM80-SM90)")
-    _check(rng, fmt, groups=(150, 0, 3, 70, 1, 0, 40, 9), padding=37, h=256, f=128,
-           backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
+    groups = (150, 0, 3, 70, 1, 0, 40, 9) if rows == "few_rows" else _many_rows(8)
+    _check(rng, fmt, groups=groups, padding=37, h=256, f=128, backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
 
 
 def test_bad_arguments_raise_naming_the_argument():

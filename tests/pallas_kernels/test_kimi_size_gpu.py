@@ -31,8 +31,9 @@ expert block the relative Frobenius error against a float64 reference must be be
 blocks only, one expert at a time (dequantizing all 384 experts would take 45 GB). The
 per-block errors are recorded as junit properties (``tools/gpu_check.sh`` lists them).
 
-Memory: the largest case (bf16 gate/up weights) holds 22.5 GB on the device, built in place
-8 experts at a time (about 1.4 GB of temporaries); the device weights are deleted before the
+Memory: the largest cases (bf16 gate/up weights, and the bf16 copy of the NVFP4 ones that
+``dequantized_input_grad`` makes) hold 22.5 GB on the device, the weights built in place 8
+experts at a time (about 1.4 GB of temporaries); the device weights are deleted before the
 host reference runs. Time: three kernel compilations (row counts 320, 1024, 16448) and the
 float64 reference of 32 experts on the host, about 30 s.
 """
@@ -49,6 +50,7 @@ from device_arrays import perturb_allocator, random_on_device
 
 from moe_jax.nvfp4 import NVFP4Tensor
 from pallas_kernels.grouped_matmul import (
+    dequantized_input_grad,
     gate_up_swiglu,
     grouped_matmul,
     grouped_matmul_input_grad,
@@ -141,6 +143,16 @@ def test_kimi_size_input_grad_top_experts_match_float64_reference(rng, record_pr
     _, n, k, _ = OPS[op]
     _check_top_experts(rng, record_property, f"{op} input_grad {fmt}", grouped_matmul_input_grad, fmt, (n, k), n, k,
                        lambda dy_mn, w_nk: dy_mn @ w_nk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+def test_kimi_size_dequantized_input_grad_top_experts_match_float64_reference(rng, record_property, op):
+    """The NVFP4 input gradient through one bf16 copy of the weights (``dequantized_input_grad``,
+    the path of many rows per expert): each copy has more than 2**31 elements."""
+    _, n, k, _ = OPS[op]
+    _check_top_experts(rng, record_property, f"{op} dequantized input_grad", dequantized_input_grad, "nvfp4", (n, k),
+                       n, k, lambda dy_mn, w_nk: dy_mn @ w_nk)
 
 
 def _check_top_experts(rng, record_property, label: str, kernel, fmt: str, w_shape, x_cols: int, n_out: int,

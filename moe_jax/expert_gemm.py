@@ -1,8 +1,11 @@
 """The routed experts' MLP (gate/up projection, SwiGLU, down projection) and its registry.
 
-Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan) -> y_mh``:
+Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan, *, row_token_m=None) -> y_mh``:
 
-* ``x_mh``: ``[M, H]`` rows sorted by expert, rows of expert ``e`` contiguous;
+* ``x_mh``: ``[M, H]`` rows sorted by expert, rows of expert ``e`` contiguous; or, with
+  ``row_token_m`` (int32 ``[M]``), the tokens ``[T, H]`` in any order, row ``m`` being
+  ``x[row_token_m[m]]``: the ``triton`` W4A16 kernels read them in place, the other paths gather
+  them first (:func:`token_rows`);
 * ``group_sizes_e``: int32 ``[E_local]``; rows past ``sum(group_sizes_e)`` are padding, and
   their outputs are unspecified;
 * ``weights``: ``{"w_gate_up_egh": [E_local, 2F, H], "w_down_ehf": [E_local, H, F]}``, each a
@@ -235,10 +238,15 @@ def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None)
     return jnp.take(y_sn, slot_m, axis=0, mode="fill", fill_value=0)
 
 
+def token_rows(x, row_token_m) -> jax.Array:
+    """``[M, H]``: ``x`` as it is, or its rows ``row_token_m`` in that order (the stage's rows)."""
+    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
+
+
 # One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer
 # eagerly) compiles it once per shape instead of each of its few hundred small ops on its own.
 @functools.partial(jax.jit, static_argnums=3)
-def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
+def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
     """Reference path: dequantize, then :func:`grouped_matmul` (fp32 accumulation, work O(rows)).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
@@ -255,6 +263,7 @@ def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     """
     config = plan.config
     dtype = jnp.dtype(config.dtype)
+    x_mh = token_rows(x_mh, row_token_m)
     match config.reference_activations:
         case "bf16":
             quantized_rows, operand_dtype, precision = False, dtype, None
@@ -300,7 +309,7 @@ def _quantize(plan: Plan):
     return nvfp4.quantize if plan.config.qat else None
 
 
-def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
+def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
     """The Pallas kernels (:func:`pallas_kernels.grouped_matmul.expert_mlp`, backend
     ``PALLAS``): fused gate/up + SwiGLU, then the down projection.
 
@@ -317,7 +326,7 @@ def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     return pallas_gmm.expert_mlp(
         x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"], backend=pallas_gmm.PALLAS,
         compute_capability=plan.target.compute_capability or INTERPRET_CAPABILITY, interpret=plan.config.interpret,
-        quantize=_quantize(plan))
+        quantize=_quantize(plan), row_token_m=row_token_m)
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -343,7 +352,7 @@ def _triton_lang():
     return triton_lang
 
 
-def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
+def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
     """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.triton_lang``, through
     jax-triton): fused gate/up + SwiGLU, then the down projection.
 
@@ -358,18 +367,24 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan):
     (``config.activation_scale``; the fused gate/up takes the larger of gate's and up's), else the
     row's own amax, computed on the fly (a token's rounding depends on that token alone, and never
     saturates). Then the FP4 tensor cores multiply.
+
+    With ``row_token_m`` the W4A16 gate/up kernel reads each row from the tokens by index; bf16
+    weights and W4A4 (whose activations are quantized per row, with the row's expert's scale)
+    gather the rows first.
     """
     triton_lang = _triton_lang()
     cc = plan.target.compute_capability
     if plan.config.weight_format == "bf16":
         return pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
-                                     backend=triton_lang.BF16_BACKEND, compute_capability=cc).astype(plan.config.dtype)
+                                     backend=triton_lang.BF16_BACKEND, compute_capability=cc,
+                                     row_token_m=row_token_m).astype(plan.config.dtype)
     match triton_lang.mode_for(cc):
         case triton_lang.Mode.W4A16:
             y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
                                          backend=triton_lang.W4A16_BACKEND, compute_capability=cc,
-                                         quantize=_quantize(plan))
+                                         quantize=_quantize(plan), row_token_m=row_token_m)
         case triton_lang.Mode.W4A4:
+            x_mh = token_rows(x_mh, row_token_m)
             gate_up_scale_e, down_scale_e = _static_scales(weights)
             a_mf = triton_lang.run(triton_lang.Op.GATE_UP_SWIGLU,
                                    triton_lang.NVFP4Rows(*_nvfp4_rows(x_mh, gate_up_scale_e, group_sizes_e)),

@@ -30,6 +30,23 @@ def clip_group_sizes(group_sizes_e: jax.Array, capacity: int) -> jax.Array:
     return jnp.diff(ends_e, prepend=0).astype(jnp.int32)
 
 
+def dispatch_rows(
+    ids_tk: jax.Array, num_experts: int, *, capacity: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Expert order of the token rows, without moving them: :func:`dispatch` before its gather.
+
+    Returns:
+      ``(row_token_c [C], group_sizes_e [E], order_m [T*k])`` with ``C = min(capacity, T*k)``:
+      row ``i`` in expert order is token ``row_token_c[i] = order_m[i] // k``.
+    """
+    top_k = ids_tk.shape[1]
+    order_m, group_sizes_e = sort_by_expert(ids_tk, num_experts)
+    kept = order_m.shape[0] if capacity is None else min(capacity, order_m.shape[0])
+    if kept < order_m.shape[0]:
+        group_sizes_e = clip_group_sizes(group_sizes_e, kept)
+    return order_m[:kept] // top_k, group_sizes_e, order_m
+
+
 def dispatch(
     x_th: jax.Array, ids_tk: jax.Array, num_experts: int, *, capacity: int | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -46,12 +63,8 @@ def dispatch(
       ``(x_ch [C, H], group_sizes_e [E], order_m [T*k])`` with ``C = min(capacity, T*k)``:
       row ``i`` of ``x_ch`` is token ``order_m[i] // k``; rows of expert ``e`` are contiguous.
     """
-    top_k = ids_tk.shape[1]
-    order_m, group_sizes_e = sort_by_expert(ids_tk, num_experts)
-    kept = order_m.shape[0] if capacity is None else min(capacity, order_m.shape[0])
-    if kept < order_m.shape[0]:
-        group_sizes_e = clip_group_sizes(group_sizes_e, kept)
-    return x_th[order_m[:kept] // top_k], group_sizes_e, order_m
+    row_token_c, group_sizes_e, order_m = dispatch_rows(ids_tk, num_experts, capacity=capacity)
+    return x_th[row_token_c], group_sizes_e, order_m
 
 
 def combine(y_ch: jax.Array, order_m: jax.Array, weights_tk: jax.Array) -> jax.Array:

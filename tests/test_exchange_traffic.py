@@ -132,7 +132,9 @@ def test_onecopy_within_the_float32_bound_on_adversarial_magnitudes(rng, cpu_dev
     scale_e = jnp.asarray(2.0 ** rng.integers(-40, 41, e) * rng.choice([-1, 1], e), jnp.float32)
 
     def scaled(offset):
-        def expert_fn(x_mh, group_sizes_e):
+        def expert_fn(x_mh, group_sizes_e, row_token_m=None):
+            if row_token_m is not None:  # 'none' passes the tokens and each row's token
+                x_mh = x_mh[row_token_m]
             local_m = jnp.searchsorted(jnp.cumsum(group_sizes_e), jnp.arange(x_mh.shape[0]), side="right")
             e_l = group_sizes_e.shape[0]
             return x_mh * scale_e[jnp.minimum(offset() * e_l + local_m, e - 1)][:, None]

@@ -3,7 +3,7 @@
 Public API::
 
     expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend, compute_capability, interpret=False,
-               quantize=None) -> y_mh
+               quantize=None, row_token_m=None) -> y_mh
 
 ``y_mh = down(silu(x W_gate^T) * (x W_up^T))`` per expert, a ``jax.custom_vjp``:
 
@@ -20,6 +20,11 @@ Arguments:
 
 * ``x_mh``: ``[M, H]`` (cast to bf16), rows sorted by expert; rows past ``sum(group_sizes_e)``
   are padding: their outputs are unspecified and their gradient is zero.
+* ``row_token_m``: None, or int32 ``[M]``: then ``x_mh`` is ``[T, H]`` (a layer's tokens, in any
+  order) and row ``m`` of the op is ``x[row_token_m[m]]`` (indices clamped into ``[0, T)``). A
+  backend whose forward reads rows by index (``Backend.forward_reads_rows_by_index``) never
+  writes the ``[M, H]`` copy in expert order; the others, and the forward under
+  differentiation, gather it in XLA. The gradient of ``x`` sums each token's rows in float32.
 * ``group_sizes_e``: int32 ``[E]``.
 * ``w_gate_up``: ``[E, 2F, H]`` (out, in; gate rows before up rows), ``w_down``: ``[E, H, F]``.
   Each is a bf16 array (trainable: it gets its gradient), or NVFP4 in ModelOpt's layout as a
@@ -75,6 +80,8 @@ class Backend(NamedTuple):
         scale per expert.
       weight_grad: ``(x_mk, dy_mn, group_sizes_e, *, out_dtype) -> [E, N, K]`` in ``out_dtype``:
         ``dy_e^T x_e``.
+      forward_reads_rows_by_index: whether ``forward`` also takes ``row_token_m`` (keyword): then
+        ``x`` is ``[T, H]`` and row ``m`` reads ``x[row_token_m[m]]`` (see :func:`expert_mlp`).
     """
 
     name: str
@@ -82,6 +89,7 @@ class Backend(NamedTuple):
     matmul: Callable
     input_grad: Callable
     weight_grad: Callable
+    forward_reads_rows_by_index: bool = False
 
 
 class _NVFP4(NamedTuple):
@@ -104,8 +112,16 @@ def swiglu(h_mg: jax.Array) -> jax.Array:
 
 
 def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, compute_capability: int,
-               interpret: bool = False, quantize: Callable | None = None) -> jax.Array:
+               interpret: bool = False, quantize: Callable | None = None, row_token_m=None) -> jax.Array:
     """bf16 ``[M, H]``: the expert MLP of each row's expert, differentiable (see the module docstring)."""
+    if row_token_m is not None:
+        if not hasattr(row_token_m, "dtype") or row_token_m.dtype != jnp.int32 or row_token_m.ndim != 1:
+            found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
+                type(row_token_m).__name__
+            raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+        if x_mh.ndim != 2 or (x_mh.shape[0] == 0 and row_token_m.shape[0]):
+            raise ValueError(f"x_mh: {x_mh.dtype}{list(x_mh.shape)}, expected [T, H] with T >= 1 rows for "
+                             f"row_token_m's {row_token_m.shape[0]} indices")
     if not isinstance(backend, Backend):
         raise ValueError(f"backend: {type(backend).__name__}, expected a Backend (pallas_kernels.grouped_matmul.PALLAS "
                          "or triton_lang.W4A16_BACKEND)")
@@ -114,7 +130,8 @@ def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, comp
             if is_nvfp4(w):
                 raise ValueError(f"{name}: NVFP4 weights, expected float masters with quantize (they are quantized "
                                  "here every call); pass quantize=None for NVFP4 weights, which are frozen")
-    return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, group_sizes_e, w_gate_up, w_down)
+    return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, row_token_m, group_sizes_e, w_gate_up,
+                       w_down)
 
 
 def _kernel_weight(w, quantize):
@@ -122,11 +139,20 @@ def _kernel_weight(w, quantize):
     return w if quantize is None else quantize(jax.lax.stop_gradient(w))
 
 
+def _rows(x, row_token_m):
+    """bf16 ``[M, H]``: ``x`` itself, or its rows ``row_token_m`` (clamped, as the kernels read them)."""
+    x = x.astype(jnp.bfloat16)
+    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quantize, x_mh, group_sizes_e, w_gate_up,
-                w_down):
-    return backend.forward(x_mh.astype(jnp.bfloat16), group_sizes_e, _kernel_weight(w_gate_up, quantize),
-                           _kernel_weight(w_down, quantize), compute_capability=compute_capability, interpret=interpret)
+def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quantize, x, row_token_m, group_sizes_e,
+                w_gate_up, w_down):
+    weights = (_kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize))
+    kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
+    if row_token_m is not None and backend.forward_reads_rows_by_index:
+        return backend.forward(x.astype(jnp.bfloat16), group_sizes_e, *weights, row_token_m=row_token_m, **kernel_args)
+    return backend.forward(_rows(x, row_token_m), group_sizes_e, *weights, **kernel_args)
 
 
 def row_experts(group_sizes_e, num_rows: int) -> jax.Array:
@@ -169,25 +195,28 @@ def _trainable(w):
     return None if is_nvfp4(w) else w.reshape(-1)[:0]
 
 
-def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, quantize, x_mh, group_sizes_e,
-                    w_gate_up, w_down):
+def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, quantize, x, row_token_m,
+                    group_sizes_e, w_gate_up, w_down):
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
     w_gate_up_k, w_down_k = _kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize)
-    x_mh = x_mh.astype(jnp.bfloat16)
+    x_mh = _rows(x, row_token_m)
     w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, x_mh.shape[0])
     h_mg = backend.matmul(x_mh, w_one, group_sizes_e, **kernel_args)  # bf16, kept
     a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
     y_mh = backend.matmul(a_mf, w_down_k, group_sizes_e, **kernel_args)
     trainable = (_trainable(w_gate_up), _trainable(w_down))
-    return y_mh, (x_mh, group_sizes_e, w_gate_up_k, w_down_k, trainable, h_mg)
+    # Rows read by index keep x itself (T rows, not M): the weight gradient gathers them again.
+    rows = (x_mh, None) if row_token_m is None else (x.astype(jnp.bfloat16), row_token_m)
+    return y_mh, (rows, jnp.zeros((0,), x.dtype), group_sizes_e, w_gate_up_k, w_down_k, trainable, h_mg)
 
 
 def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, quantize, residuals, dy_mh):
     del quantize  # the masters' gradient is their quantization's (straight-through)
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
-    x_mh, group_sizes_e, w_gate_up_k, w_down_k, (gate_up_trainable, down_trainable), h_mg = residuals
+    (x, row_token_m), x_dtype, group_sizes_e, w_gate_up_k, w_down_k, (gate_up_trainable, down_trainable), h_mg = \
+        residuals
     dy_mh = dy_mh.astype(jnp.bfloat16)
-    num_rows = x_mh.shape[0]
+    num_rows = h_mg.shape[0]
     w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, num_rows)
     gate, up = jnp.split(_per_half(h_mg, half_scales_m2), 2, axis=-1)
     sig = jax.nn.sigmoid(gate)
@@ -213,9 +242,15 @@ def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, 
         summed = jax.typeof(dw).manual_axis_type.varying - jax.typeof(trainable).manual_axis_type.varying
         return jax.lax.psum(dw, tuple(sorted(summed))) if summed else dw
 
-    dw_gate_up = weight_grad(gate_up_trainable, x_mh, dh_mg.astype(jnp.bfloat16))
+    dw_gate_up = weight_grad(gate_up_trainable, _rows(x, row_token_m) if gate_up_trainable is not None else None,
+                             dh_mg.astype(jnp.bfloat16))
     dw_down = weight_grad(down_trainable, a_mf, dy_mh)
-    return dx_mh, None, dw_gate_up, dw_down
+    if row_token_m is None:
+        return dx_mh, None, None, dw_gate_up, dw_down
+    # Each token's rows summed (the transpose of the clamped gather), in float32: top-k terms.
+    token_m = jnp.clip(row_token_m, 0, x.shape[0] - 1)
+    dx = jnp.zeros(x.shape, jnp.float32).at[token_m].add(dx_mh.astype(jnp.float32))
+    return dx.astype(x_dtype.dtype), None, None, dw_gate_up, dw_down
 
 
 _expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

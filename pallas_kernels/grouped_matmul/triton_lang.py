@@ -50,6 +50,8 @@ from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
 _FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
+#: The row-index operand of a launch that reads ``x`` in order (a placeholder, never read).
+_NO_ROW_TOKENS = np.zeros((1,), np.int32)
 
 #: log2 of the factor the W4A16 operand is short of ``value * scale`` (as in the Pallas kernels).
 OPERAND_EXPONENT_DEFICIT = pallas_triton.OPERAND_EXPONENT_DEFICIT
@@ -198,6 +200,7 @@ class NativeSpec:
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
     out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
     trans_w: bool = False  # BF16 only: the weight is stored [E, K, N_OUT] (an input gradient's W_e).
+    gather_rows: int = 0  # W4A16 only: 0, or x has this many rows and row m reads x[row_token[m]].
 
     @property
     def weight_rows(self) -> int:
@@ -216,7 +219,7 @@ class NativeSpec:
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
             BLOCK_N=self.block_n, BLOCK_K=self.block_k,
             GROUP_T=min(self.tile.group_t, self.max_tiles), NUM_STAGES=self.tile.num_stages,
-            OUT_K_ORDER=self.out_k_order,
+            OUT_K_ORDER=self.out_k_order, GATHER_ROWS=self.gather_rows,
         )
 
 
@@ -301,12 +304,12 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 
 
 @triton.jit
-def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-            w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
-            FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
+            w_scale_ptr, w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
+            G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
             NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr,
-            OUT_K_ORDER: tl.constexpr):
+            OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """One output tile of ``BLOCK_M + EXTRA_M`` rows (one expert's) x ``BLOCK_N`` columns (see
     the module docstring).
 
@@ -314,7 +317,10 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     ``[M, K/16]`` and ``x_global_ptr`` float32 ``[M]`` (both unused by W4A16). ``w_ptr`` uint8
     ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
     ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
-    caller passed one to write into, else a placeholder: never read).
+    caller passed one to write into, else a placeholder: never read). ``GATHER_ROWS > 0``
+    (W4A16): ``x_ptr`` is ``[GATHER_ROWS, K]`` and ``row_token_ptr`` int32 ``[M]`` names the
+    row of it each output row reads (the layer's tokens, never copied into expert order); else
+    ``row_token_ptr`` is a placeholder, never read.
 
     By the rows a tile holds (an expert's last tile holds fewer), the narrowest of three paths
     that covers them, so that the MMAs skip most padding rows: at most ``TAIL_M`` (0: no such
@@ -329,47 +335,47 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         rows = row_end - row_start  # the expert's rows from here on (more than the tile holds, but in its last)
         if TAIL_M > 0:
             if rows <= TAIL_M:
-                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                      w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0, BLOCK_N,
-                      BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
+                      w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0,
+                      BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
             else:
-                _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                           w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M,
-                           BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+                _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr,
+                           w_ptr, w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W,
+                           BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
-            _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr,
-                       w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N,
-                       BLOCK_K, NUM_STAGES, OUT_K_ORDER)
+            _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
+                       w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M,
+                       EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
 
 
 @triton.jit
-def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-               out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
-               W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
-               EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               OUT_K_ORDER: tl.constexpr):
+def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
+               w_scale_ptr, w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
+               G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+               BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
-            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                  OUT_K_ORDER)
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
+                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N,
+                  BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
-            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                  out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
-                  OUT_K_ORDER)
+            _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
+                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
+                  NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
     else:
-        _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-              out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K, NUM_STAGES,
-              OUT_K_ORDER)
+        _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
+              w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
+              NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
 
 
 @triton.jit
-def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, out_ptr,
-          K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr,
-          W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
+          w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
+          FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
           EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-          OUT_K_ORDER: tl.constexpr):
+          OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
     tile ``j``; the ``EXTRA_M`` rows (if any) in a second accumulator."""
     # 64-bit scalar bases (one Kimi K2 down projection is 7 MiB packed: expert 293 starts
@@ -400,12 +406,14 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
         ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
                  + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
-    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_m, K, BLOCK_K, W4A4)
+    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local_m, row_ok_m, K, BLOCK_K, W4A4,
+                                GATHER_ROWS)
     if EXTRA_M > 0:
         local_x = BLOCK_M + tl.arange(0, EXTRA_M)
         row_ok_x = row_start + local_x < row_end
         acc2 = tl.zeros((R, EXTRA_M), tl.float32)
-        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, first_row, local_x, K, BLOCK_K, W4A4)
+        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local_x, row_ok_x, K, BLOCK_K,
+                                      W4A4, GATHER_ROWS)
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
         if W4A4:
             w_rj = tl.load(w_at + i * (BLOCK_K // 2))
@@ -443,10 +451,18 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, w_ptr
 
 
 @triton.jit
-def _row_pointers(x_ptr, x_scale_ptr, first_row, local, K: tl.constexpr, BLOCK_K: tl.constexpr, W4A4: tl.constexpr):
+def _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local, row_ok, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, W4A4: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """The first K step's activation pointers of rows ``first_row + local``: W4A4 the packed codes
-    and their block scales; W4A16 the bf16 values (and ``x_scale_ptr`` as it is, never read)."""
-    if W4A4:
+    and their block scales; W4A16 the bf16 values (and ``x_scale_ptr`` as it is, never read).
+    With ``GATHER_ROWS`` (W4A16 only) row ``m`` is row ``row_token[m]`` of an ``x`` of
+    ``GATHER_ROWS`` rows, clamped into it; rows ``row_ok`` does not mark read no index."""
+    if GATHER_ROWS > 0:
+        token = tl.load(row_token_ptr + first_row + local, mask=row_ok, other=0)
+        token = tl.minimum(tl.maximum(token, 0), GATHER_ROWS - 1).to(tl.int64)
+        x_at = x_ptr + (token[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        xs_at = x_scale_ptr
+    elif W4A4:
         x_at = x_ptr + first_row * (K // 2) + (local[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
         xs_at = (x_scale_ptr + first_row * (K // 16)
                  + (local[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
@@ -548,7 +564,7 @@ def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_
 
 def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_out: int, scale_groups: int,
               compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0,
-              trans_w: bool = False) -> NativeSpec:
+              trans_w: bool = False, gather_rows: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
     (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
     :data:`MANY_ROWS_PER_EXPERT` rows per expert, :data:`MID_TILES` between one and two decode
@@ -583,7 +599,7 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
         mode=mode, op=op, tile=tile, num_rows=num_rows, k=k, n_out=n_out,
         block_k=block_k, block_n=tuning.fit_block(tile.block_n, n_out, 16),
         max_tiles=pallas_triton.max_tiles(num_rows, num_experts, tile.rows_per_tile), scale_groups=scale_groups,
-        out_k_order=out_k_order, trans_w=trans_w,
+        out_k_order=out_k_order, trans_w=trans_w, gather_rows=gather_rows,
     )
 
 
@@ -669,14 +685,16 @@ def _check_weights(w, name: str, op: Op, num_experts: int, *, k: int | None = No
 
 
 def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | None = None,
-        tile: TileConfig | None = None, out=None, out_k_order: int = 0, x_k_order: int = 0) -> jax.Array:
+        tile: TileConfig | None = None, out=None, out_k_order: int = 0, x_k_order: int = 0,
+        row_token_m=None) -> jax.Array:
     """One native kernel: ``op`` on the rows of ``x`` with NVFP4 weights ``w``.
 
     Args:
       op: ``Op.MATMUL`` (``w`` ``[E, N, K]``, out bf16 ``[M, N]``) or ``Op.GATE_UP_SWIGLU``
         (``w`` ``[E, 2F, K]``, gate rows then up rows, global scale ``[E]`` or ``[E, 2]``; out
         bf16 ``[M, F]``).
-      x: bf16 ``[M, K]`` for W4A16, :class:`NVFP4Rows` for W4A4; rows sorted by expert.
+      x: bf16 ``[M, K]`` for W4A16, :class:`NVFP4Rows` for W4A4; rows sorted by expert. With
+        ``row_token_m``, bf16 ``[T, K]`` in any order.
       w: NVFP4 weights in ModelOpt's layout (``.packed`` uint8 ``[E, N, K/2]``, ``.scales``
         float8_e4m3fn ``[E, N, K/16]``, ``.global_scale`` float32).
       group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
@@ -690,6 +708,9 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
       x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
         ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
+      row_token_m: W4A16 only; None, or int32 ``[M]``: row ``m`` of the product is row
+        ``row_token_m[m]`` of ``x`` (values outside ``[0, T)`` are clamped into it), read by the
+        kernel where it is: the ``[M, K]`` copy of ``x`` in expert order is never written.
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype, capability or mode.
@@ -702,6 +723,19 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
                          "FP4 MMA: SM100, SM120)")
     m, k = _check_rows(x, mode, "x")
+    gather_rows = 0
+    if row_token_m is not None:
+        if mode is not Mode.W4A16:
+            raise ValueError(f"row_token_m: given for {mode.value}, expected None (only the W4A16 kernels read rows "
+                             "by index)")
+        if (not hasattr(row_token_m, "dtype") or np.dtype(row_token_m.dtype) != np.int32
+                or row_token_m.ndim != 1):
+            found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
+                type(row_token_m).__name__
+            raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+        if m == 0 and row_token_m.shape[0]:
+            raise ValueError(f"x: 0 rows, expected at least one for row_token_m's {row_token_m.shape[0]} indices")
+        gather_rows, m = m, row_token_m.shape[0]
     num_experts = _check_group_sizes(group_sizes_e)
     name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
     n_w, _, groups = _check_weights(w, name, op, num_experts, k=k)
@@ -720,20 +754,23 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"out_k_order: {out_k_order}, expected 0 or a power of two >= {K_MULTIPLE} dividing the "
                          f"output's {n_out} columns")
     spec = make_spec(op, mode, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=groups,
-                     compute_capability=compute_capability, tile=tile, out_k_order=out_k_order)
+                     compute_capability=compute_capability, tile=tile, out_k_order=out_k_order,
+                     gather_rows=gather_rows)
     if x_k_order and x_k_order != spec.block_k:
         raise ValueError(f"x_k_order: {x_k_order}, expected this launch's block_k {spec.block_k} (k_order())")
     match mode:
         case Mode.W4A4:
             rows = (x.packed, jax.lax.bitcast_convert_type(x.scales, jnp.uint8), x.global_scale)
         case Mode.W4A16:
-            # x's columns in the dequantized tiles' order; the one-element placeholders (unread
-            # by W4A16) keep a single kernel signature.
+            # x's columns in the dequantized tiles' order (a pass over its T rows, not the M it
+            # feeds, when it is read by index); the one-element placeholders (unread by W4A16)
+            # keep a single kernel signature.
             x_perm = x if x_k_order else permute_k(x, spec.block_k)
             rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
-    return launch(spec, group_sizes_e, *rows, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+    row_token = _NO_ROW_TOKENS if row_token_m is None else row_token_m
+    return launch(spec, group_sizes_e, *rows, row_token, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
                   w.global_scale.reshape(num_experts, groups), out)
 
 
@@ -776,7 +813,7 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
                      compute_capability=compute_capability, tile=tile, trans_w=transpose_w)
     # One-element placeholders for the scales BF16 never reads keep a single kernel signature.
     u8, f32 = jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32)
-    return launch(spec, group_sizes_e, x_mk, u8, f32, w, u8, f32.reshape(1, 1), out)
+    return launch(spec, group_sizes_e, x_mk, u8, f32, _NO_ROW_TOKENS, w, u8, f32.reshape(1, 1), out)
 
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
@@ -900,15 +937,19 @@ def _same_varying_axes(outputs, operands):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scales_u8, global_scale_eg, out=None):
+def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, row_token, packed, scales_u8, global_scale_eg,
+           out=None):
     """Runs one kernel.
 
     Args:
       spec: the static description (:func:`make_spec`).
       group_sizes_e: int32 ``[E]``.
-      x: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` (packed codes).
+      x: W4A16 bf16 ``[M, K]`` (``[spec.gather_rows, K]`` when it is read by index); W4A4 uint8
+        ``[M, K/2]`` (packed codes).
       x_scales: W4A4 uint8 ``[M, K/16]`` (E4M3 bits); W4A16 any uint8 array (unread).
       x_global: W4A4 float32 ``[M]``; W4A16 any float32 array (unread).
+      row_token: int32 ``[M]``, the row of ``x`` each row reads, if ``spec.gather_rows``; else any
+        int32 array (unread).
       packed: uint8 ``[E, N_W, K/2]``.
       scales_u8: uint8 ``[E, N_W, K/16]`` (E4M3 bits).
       global_scale_eg: float32 ``[E, G]``.
@@ -923,7 +964,7 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, packed, scale
                                             num_tiles=spec.max_tiles)
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
-    operands = (*schedule, x, x_scales, x_global, packed, scales_u8, global_scale_eg, out_in)
+    operands = (*schedule, x, x_scales, x_global, row_token, packed, scales_u8, global_scale_eg, out_in)
     name = f"native_{spec.op.value}_{spec.mode.value}"
     with jax.named_scope(name):
         y = jax_triton.triton_call(
@@ -948,7 +989,7 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
     x = "*u8" if spec.mode is Mode.W4A4 else "*bf16"
     w = "*bf16" if spec.mode is Mode.BF16 else "*u8"
-    types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", w, "*u8", "*fp32", "*bf16", "*bf16"]
+    types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", "*i32", w, "*u8", "*fp32", "*bf16", "*bf16"]
     constexprs = spec.constexprs()
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
@@ -975,26 +1016,29 @@ def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, inter
 
 
 def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
-                              interpret: bool) -> jax.Array:
+                              interpret: bool, row_token_m=None) -> jax.Array:
     """The fused gate/up + SwiGLU kernel, then the down projection, W4A16. The gate/up kernel
-    writes its output's columns in the order the down kernel reads them (:func:`permute_k`,
-    ``out_k_order``), which saves a pass over the intermediate activations between them."""
+    reads its rows from ``x`` by ``row_token_m`` if given (:func:`run`), and writes its output's
+    columns in the order the down kernel reads them (:func:`permute_k`, ``out_k_order``), which
+    saves a pass over the intermediate activations between them."""
     _not_interpreted(interpret)
     h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, _check_group_sizes(group_sizes_e))
-    order = k_order(Op.MATMUL, num_rows=x_mh.shape[0], num_experts=group_sizes_e.shape[0], k=f, n_out=h,
+    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    order = k_order(Op.MATMUL, num_rows=num_rows, num_experts=group_sizes_e.shape[0], k=f, n_out=h,
                     compute_capability=compute_capability)
     a_mf = run(Op.GATE_UP_SWIGLU, x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability,
-               mode=Mode.W4A16, out_k_order=order)
+               mode=Mode.W4A16, out_k_order=order, row_token_m=row_token_m)
     return run(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16,
                x_k_order=order)
 
 
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
-#: NVFP4 weights): the input gradient at many rows per expert through one bf16 copy of the
+#: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert through one bf16 copy of the
 #: weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the weight gradient (of ``qat``
 #: masters) is a dense product, the Pallas kernel's, the one there is.
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
-                        input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad)
+                        input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad,
+                        forward_reads_rows_by_index=True)
 
 
 def _bf16_prefill(x_mk, group_sizes_e, compute_capability: int) -> bool:

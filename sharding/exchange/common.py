@@ -12,8 +12,10 @@ import jax
 
 from sharding.exchange.layout import bucket_index
 
-#: ``expert_fn(x_mh, group_sizes_e) -> y_mh``: this device's experts on rows sorted by local expert.
-ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
+#: ``expert_fn(x_mh, group_sizes_e, row_token_m=None) -> y_mh``: this device's experts on rows
+#: sorted by local expert; with ``row_token_m`` (int32 ``[M]``) ``x`` is ``[T, H]`` and row ``m``
+#: is ``x[row_token_m[m]]``, which a kernel may read in place instead of a gathered copy.
+ExpertFn = Callable[..., jax.Array]
 
 
 def capacity_rows(capacity_factor: float | None, rows: int) -> int | None:

@@ -57,6 +57,7 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
     buffers += [interpreted.buffer(x, "x"),
                 interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
                 interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
+                interpreted.buffer(np.zeros(1, np.int32), "row_token (unread)"),
                 interpreted.buffer(stored, "w"), interpreted.buffer(np.zeros(1, np.uint8), "w.scales (unread)"),
                 interpreted.buffer(np.zeros((1, 1), np.float32), "w.global_scale (unread)"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]

@@ -32,26 +32,37 @@ def _bf16(rng, shape) -> np.ndarray:
 
 
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None, scale_groups: int = 1,
-            out_k_order: int = 0, experts=None, used=None, seed: int = 0, padding: int = 3) -> float:
-    """Runs the forward kernel on random bf16 rows; asserts and returns its relative error."""
+            out_k_order: int = 0, experts=None, used=None, seed: int = 0, padding: int = 3,
+            tokens: int = 0) -> float:
+    """Runs the forward kernel on random bf16 rows; asserts and returns its relative error. With
+    ``tokens``, the kernel reads its rows by index from that many token rows (``row_token``, the
+    padding rows' indices out of range, so a read of them would be seen)."""
     rng = np.random.default_rng(seed)
     group_sizes, packed, scales, global_scale = random_problem(rng, op, group_sizes, k=k, n_out=n_out,
                                                                scale_groups=scale_groups, experts=experts, used=used)
     experts = len(packed)
     total = int(group_sizes.sum())
     m = total + padding
-    x = _bf16(rng, (m, k))
+    if tokens:
+        x_tokens = _bf16(rng, (tokens, k))
+        row_token = np.concatenate([rng.integers(0, tokens, total), np.full(padding, 1 << 30)]).astype(np.int32)
+        x = x_tokens[np.minimum(row_token, tokens - 1)]
+    else:
+        x_tokens, row_token = _bf16(rng, (m, k)), np.zeros(1, np.int32)
+        x = x_tokens
     if variant is not None:
         tile = triton_lang.NATIVE_TILES[CC][(variant, op)]
     spec = triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                            scale_groups=scale_groups, compute_capability=CC, tile=tile, out_k_order=out_k_order)
-    x_perm = np.asarray(triton_lang.permute_k(jnp.asarray(x), spec.block_k))
+                                 scale_groups=scale_groups, compute_capability=CC, tile=tile, out_k_order=out_k_order,
+                                 gather_rows=tokens)
+    x_perm = np.asarray(triton_lang.permute_k(jnp.asarray(x_tokens), spec.block_k))
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
     buffers += [interpreted.buffer(x_perm, "x (permute_k)"),
                 interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
                 interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
+                interpreted.buffer(row_token, "row_token" if tokens else "row_token (unread)"),
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
                 interpreted.buffer(global_scale.reshape(experts, scale_groups), "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
@@ -110,6 +121,16 @@ def test_every_sm90_tile_of_the_table(op, variant):
 @pytest.mark.parametrize("pattern", PATTERNS, ids=str)
 def test_group_size_patterns(op, pattern):
     forward(op, PATTERNS[pattern], k=512, n_out=64, tile=decode_tile(16, 32, 256, 4, 2), seed=hash(pattern) % 1000)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+@pytest.mark.parametrize("variant", [Variant.DECODE, Variant.PREFILL], ids=lambda v: v.value)
+def test_rows_read_by_index(op, variant):
+    """``x`` read in place by each row's token (``GATHER_ROWS``), as the layer calls the gate/up
+    kernel: fewer token rows than rows, repeated and unordered tokens, every tile kind (extra
+    rows and tails at prefill); the padding rows' indices lie far out of range and are never
+    read, so their outputs stay NaN and no load leaves ``x``."""
+    forward(op, [70, 0, 130, 9], k=1024, n_out=128, variant=variant, tokens=37, seed=5)
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 512])

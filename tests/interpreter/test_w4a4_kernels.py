@@ -50,6 +50,7 @@ def run_interpreted(op: Op, x_mk: np.ndarray, packed, scales, global_scale, grou
     buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
     buffers += [interpreted.buffer(x_packed, "x.packed"), interpreted.buffer(x_scales.view(np.uint8), "x.scales"),
                 interpreted.buffer(x_global.astype(np.float32), "x.global_scale"),
+                interpreted.buffer(np.zeros(1, np.int32), "row_token (unread)"),
                 interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
                 interpreted.buffer(global_scale.reshape(experts, groups), "w.global_scale"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]

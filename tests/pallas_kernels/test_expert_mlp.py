@@ -62,14 +62,18 @@ def _relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int, **kernel_args):
-    """The fused forward, and ``jax.vjp``'s output and cotangents, against the float64 reference."""
+def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int, tokens: int = 0, **kernel_args):
+    """The fused forward, and ``jax.vjp``'s output and cotangents, against the float64 reference.
+    With ``tokens``: the op reads its rows by index (``row_token_m``) from that many token rows,
+    tokens repeated and unordered as a layer's top-k makes them; ``dx`` is then per token."""
     w_gate_up, w_down, quantize = _weights(rng, fmt, len(groups), h, f)
     m = sum(groups) + padding
-    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    x_in = jnp.asarray(rng.standard_normal((tokens or m, h)), jnp.bfloat16)
+    row_token = jnp.asarray(rng.integers(0, tokens, m), jnp.int32) if tokens else None
+    x = x_in if row_token is None else x_in[row_token]
     dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
     group_sizes = jnp.asarray(groups, jnp.int32)
-    op = functools.partial(expert_mlp, quantize=quantize, **kernel_args)
+    op = functools.partial(expert_mlp, quantize=quantize, row_token_m=row_token, **kernel_args)
 
     # The reference reads the weights the kernels read: qat masters through their quantization.
     read = (lambda w: w) if quantize is None else quantize
@@ -79,7 +83,7 @@ def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int,
         y, pull = jax.vjp(lambda *args: op(args[0], group_sizes, *args[1:]), x, w_gate_up, w_down)
         return op(x, group_sizes, w_gate_up, w_down), y, pull(dy), (read(w_gate_up), read(w_down))
 
-    y_fused, y, (dx, dw_gate_up, dw_down), (w_gate_up_ref, w_down_ref) = forward_and_vjp(x, group_sizes, w_gate_up,
+    y_fused, y, (dx, dw_gate_up, dw_down), (w_gate_up_ref, w_down_ref) = forward_and_vjp(x_in, group_sizes, w_gate_up,
                                                                                         w_down, dy)
     want_y = reference.expert_mlp(x, w_gate_up_ref, w_down_ref, group_sizes)
     want_dx, want_dw_gate_up, want_dw_down = reference.expert_mlp_vjp(x, w_gate_up_ref, w_down_ref, group_sizes, dy)
@@ -87,8 +91,16 @@ def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int,
     assert y.dtype == y_fused.dtype == jnp.bfloat16 and y.shape == (m, h)
     errors = {"y (fused)": _relative_error(y_fused[:s], want_y), "y (under vjp)": _relative_error(y[:s], want_y)}
     assert max(errors.values()) <= OUTPUT_TOLERANCE, errors
-    errors = {"dx": _relative_error(dx[:s], want_dx)}
-    assert not np.any(np.asarray(dx[s:].astype(jnp.float32))), "padding rows got a gradient"
+    if row_token is None:
+        errors = {"dx": _relative_error(dx[:s], want_dx)}
+        assert not np.any(np.asarray(dx[s:].astype(jnp.float32))), "padding rows got a gradient"
+    else:  # each token's rows summed; a token only padding rows read gets none
+        want_dx_t = np.zeros((tokens, h))
+        np.add.at(want_dx_t, np.asarray(row_token[:s]), want_dx)
+        assert dx.shape == x_in.shape and dx.dtype == x_in.dtype, (dx.shape, dx.dtype)
+        unread = np.setdiff1d(np.arange(tokens), np.asarray(row_token[:s]))
+        assert not np.any(np.asarray(dx[unread].astype(jnp.float32))), f"tokens {unread} got a gradient"
+        errors = {"dx (per token)": _relative_error(dx, want_dx_t)}
     if fmt in TRAINABLE:
         for name, got, want, master in (("dw_gate_up", dw_gate_up, want_dw_gate_up, w_gate_up),
                                         ("dw_down", dw_down, want_dw_down, w_down)):
@@ -108,6 +120,14 @@ def test_interpret_forward_and_vjp_match_float64_reference(rng, fmt):
            interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_interpret_rows_read_by_index_match_float64_reference(rng, fmt):
+    """``row_token_m``: 31 rows of 16 tokens (PALLAS gathers them in XLA; the W4A16 kernels read
+    them in place, the GPU twin below)."""
+    _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, backend=PALLAS, compute_capability=90,
+           interpret=True)
+
+
 def _many_rows(experts: int) -> tuple[int, ...]:
     """Group sizes past :data:`tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT` rows per expert on
     average, one expert empty and one a row over the average."""
@@ -124,15 +144,17 @@ def test_interpret_many_rows_per_expert_vjp_matches_float64_reference(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index"])
 @pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt != "bf16"])  # the native kernels take NVFP4 only
 def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows):
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.INPUT_GRAD_TILES:
         pytest.skip(f"SM{cc} has no W4A16 input-gradient kernel (W4A16 backward: SM80-SM90)")
-    groups = (150, 0, 3, 70, 1, 0, 40, 9) if rows == "few_rows" else _many_rows(8)
-    _check(rng, fmt, groups=groups, padding=37, h=256, f=128, backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
+    groups = _many_rows(8) if rows == "many_rows" else (150, 0, 3, 70, 1, 0, 40, 9)
+    # by_index: the gate/up kernel reads 273 rows from 61 tokens in place (row_token_m).
+    _check(rng, fmt, groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
+           backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
 
 
 def test_bad_arguments_raise_naming_the_argument():
@@ -142,6 +164,12 @@ def test_bad_arguments_raise_naming_the_argument():
     x, group_sizes = jnp.zeros((4, 64), jnp.bfloat16), jnp.asarray([1, 3], jnp.int32)
     with pytest.raises(ValueError, match=r"^backend: str, expected a Backend"):
         expert_mlp(x, group_sizes, w_gate_up, w_down, backend="pallas", compute_capability=90)
+    with pytest.raises(ValueError, match=r"^row_token_m: int64\[4\], expected int32 \[M\]"):
+        expert_mlp(x, group_sizes, w_gate_up, w_down, backend=PALLAS, compute_capability=90,
+                   row_token_m=np.arange(4))
+    with pytest.raises(ValueError, match=r"^x_mh: bfloat16\[0, 64\], expected \[T, H\] with T >= 1 rows"):
+        expert_mlp(x[:0], group_sizes, w_gate_up, w_down, backend=PALLAS, compute_capability=90,
+                   row_token_m=jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match=r"^w_gate_up: NVFP4 weights, expected float masters with quantize"):
         expert_mlp(x, group_sizes, w_gate_up, w_down, backend=PALLAS, compute_capability=90, quantize=nvfp4.quantize)
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")

@@ -120,6 +120,29 @@ def test_many_rows_per_expert_get_the_many_rows_tile_which_compiles_without_spil
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
 
 
+@pytest.mark.parametrize("rows", [256, 8192 * 8], ids=["decode", "prefill"])
+def test_rows_read_by_index_compile_for_sm90_like_rows_in_order(rows):
+    """The gate/up kernel that reads its rows by index (``gather_rows``, Kimi K2's shape at 384
+    experts) compiles for SM90 with the same MMAs, no spills, the same shared memory and at most
+    a few registers more than the one that reads rows in expert order."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    compiled = {}
+    for gather_rows in (0, rows // 8):
+        spec = triton_lang.make_spec(Op.GATE_UP_SWIGLU, triton_lang.Mode.W4A16, num_rows=rows, num_experts=384, k=h,
+                                     n_out=f, scale_groups=1, compute_capability=90, gather_rows=gather_rows)
+        assert spec.constexprs()["GATHER_ROWS"] == gather_rows
+        compiled[gather_rows] = compiler.compile_jit(
+            triton_lang.kernel_function(), signature=triton_lang.signature(spec), constexprs=spec.constexprs(),
+            capability=90, num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
+            name=f"native_gather_{gather_rows}")
+    in_order, by_index = compiled[0], compiled[rows // 8]
+    assert by_index.spill_bytes == 0 and by_index.shared_bytes == in_order.shared_bytes
+    assert len(re.findall(EXPECTED[90][1], by_index.ptx)) == len(re.findall(EXPECTED[90][1], in_order.ptx)) > 0
+    assert by_index.registers <= in_order.registers + 16, (by_index.registers, in_order.registers)
+
+
 def test_offsets_past_int32_use_64_bit_bases():
     """Per expert and per row tile the kernel adds 64-bit bases; what stays 32-bit (offsets inside
     one expert's matrix and one row tile) fits at the largest published shapes."""

@@ -110,7 +110,7 @@ def test_one_copy_per_device_sends_fewer_rows_at_ep8(rng, cpu_devices, routing):
     ids_tk, weights_tk = moe_jax.router.route(logits, config, correction_bias_e=jnp.zeros((e,), jnp.float32))
     x_th = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
     mesh = expert_mesh(cpu_devices, ep)
-    identity = lambda x_mh, group_sizes_e: x_mh
+    identity = lambda x_mh, group_sizes_e, row_token_m=None: x_mh if row_token_m is None else x_mh[row_token_m]
     y_r, _, ragged_rows = run_exchange(sharding.ragged_exchange, mesh, x_th, ids_tk, weights_tk, identity, e)
     y_o, _, onecopy_rows = run_exchange(sharding.onecopy_exchange, mesh, x_th, ids_tk, weights_tk, identity, e)
     ids = np.asarray(ids_tk)

@@ -16,8 +16,9 @@ and, except ``none``, is called inside ``shard_map`` over the expert axis ``axis
   nowhere: never sent, never counted); ``weights_tk`` ``[T, k]``: combine weights.
 * ``expert_fn(x_mh, group_sizes_e, row_token_m=None) -> y_mh`` runs this device's
   ``E_l = E / D`` experts on rows sorted by local expert; rows past ``sum(group_sizes_e)`` are
-  padding whose outputs are never used. ``none`` passes the tokens themselves and each row's
-  token (``row_token_m``) instead of a copy of them in expert order.
+  padding whose outputs are never used. ``none``, ``allgather`` and ``onecopy`` pass the rows
+  they hold (tokens, or the token copies received) and each row's index into them
+  (``row_token_m``) instead of a copy of them in expert order.
 * ``capacity_factor``: None for dropless; else each device keeps at most
   ``ceil(capacity_factor * T * k)`` received rows (the first in its expert-major order, see
   :mod:`sharding.exchange.layout`), and ``dropped`` counts the rows it dropped.

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from sharding.exchange.common import ExpertFn, capacity_rows, expert_axis, switch_on_size
 from sharding.exchange.layout import buffer_buckets, worst_case_received
-from sharding.local import combine, dispatch
+from sharding.local import combine, dispatch_rows
 
 
 def allgather_exchange(
@@ -37,10 +37,11 @@ def allgather_exchange(
     buckets = buffer_buckets(t * k, worst)
 
     def branch(rows: int):
-        x_mh, group_sizes_e, order_m = dispatch(x_all_th, local_tk, e_l, capacity=rows)
+        row_token_m, group_sizes_e, order_m = dispatch_rows(local_tk, e_l, capacity=rows)
         received = jnp.sum(group_sizes_e)
         # Rows past the groups belong to other devices' experts: their outputs are unspecified.
-        y_mh = jnp.where(jnp.arange(x_mh.shape[0])[:, None] < received, expert_fn(x_mh, group_sizes_e), 0)
+        y_mh = jnp.where(jnp.arange(row_token_m.shape[0])[:, None] < received,
+                         expert_fn(x_all_th, group_sizes_e, row_token_m), 0)
         return combine(y_mh, order_m, jnp.where(mine_tk, weights_all_tk, 0)), needed - received
 
     y_all_th, dropped = switch_on_size(needed, buckets, branch)

@@ -23,7 +23,7 @@ from sharding.exchange.layout import (
     worst_case_tokens_received, worst_case_tokens_sent,
 )
 from sharding.exchange.ragged import default_min_updates_per_peer
-from sharding.local import combine, dispatch, sort_by_expert
+from sharding.local import combine, dispatch_rows, sort_by_expert
 
 
 def _send_rows(present_td: jax.Array, input_offsets_d: jax.Array, rows: int):
@@ -123,10 +123,11 @@ def onecopy_exchange(
         x_rh = move(x_nh, _like(x_nh, recv), forward)
         local_rk = move(local_nk, _like(local_nk, recv, e_l), forward)
         w_rk = move(w_nk, _like(w_nk, recv), forward)
-        x_mh, group_sizes_l, order_r = dispatch(x_rh, local_rk, e_l, capacity=rows)
+        row_copy_m, group_sizes_l, order_r = dispatch_rows(local_rk, e_l, capacity=rows)
         received = jnp.sum(group_sizes_l)
         # Rows past the groups are padding: their outputs are unspecified (and weigh 0).
-        y_mh = jnp.where(jnp.arange(x_mh.shape[0])[:, None] < received, expert_fn(x_mh, group_sizes_l), 0)
+        y_mh = jnp.where(jnp.arange(row_copy_m.shape[0])[:, None] < received,
+                         expert_fn(x_rh, group_sizes_l, row_copy_m), 0)
         partial_rh = combine(y_mh, order_r, w_rk)
         return (move(partial_rh, _like(partial_rh, n_send), back),)
 

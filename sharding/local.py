@@ -75,7 +75,10 @@ def combine(y_ch: jax.Array, order_m: jax.Array, weights_tk: jax.Array) -> jax.A
     """
     t, k = weights_tk.shape
     kept = y_ch.shape[0]
-    position_m = jnp.argsort(order_m).astype(jnp.int32)  # sorted position of each assignment
+    # The sorted position of each assignment: order_m inverted by one scatter (it is a
+    # permutation), not by a second sort.
+    position_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(order_m.shape[0], dtype=order_m.dtype),
+                                                          unique_indices=True)
     # The hidden size spelled out: ``-1`` cannot be inferred from an empty array (T = 0).
     y_tkh = y_ch[jnp.minimum(position_m, kept - 1)].reshape(t, k, y_ch.shape[-1]).astype(jnp.float32)
     if kept < order_m.shape[0]:

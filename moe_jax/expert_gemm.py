@@ -4,7 +4,7 @@ Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan,
 
 * ``x_mh``: ``[M, H]`` rows sorted by expert, rows of expert ``e`` contiguous; or, with
   ``row_token_m`` (int32 ``[M]``), the tokens ``[T, H]`` in any order, row ``m`` being
-  ``x[row_token_m[m]]``: the ``triton`` W4A16 kernels read them in place, the other paths gather
+  ``x[row_token_m[m]]``: the ``triton`` gate/up kernels read them in place, the other paths gather
   them first (:func:`token_rows`);
 * ``group_sizes_e``: int32 ``[E_local]``; rows past ``sum(group_sizes_e)`` are padding, and
   their outputs are unspecified;
@@ -368,9 +368,9 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
     row's own amax, computed on the fly (a token's rounding depends on that token alone, and never
     saturates). Then the FP4 tensor cores multiply.
 
-    With ``row_token_m`` the W4A16 gate/up kernel reads each row from the tokens by index; bf16
-    weights and W4A4 (whose activations are quantized per row, with the row's expert's scale)
-    gather the rows first.
+    With ``row_token_m`` the gate/up kernel reads each row from the tokens by index (W4A16, and
+    bf16 weights at prefill sizes); bf16 decode sizes (the Pallas kernels) and W4A4 (whose
+    activations are quantized per row, with the row's expert's scale) gather the rows first.
     """
     triton_lang = _triton_lang()
     cc = plan.target.compute_capability

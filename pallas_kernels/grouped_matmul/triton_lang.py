@@ -200,7 +200,7 @@ class NativeSpec:
     scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
     out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
     trans_w: bool = False  # BF16 only: the weight is stored [E, K, N_OUT] (an input gradient's W_e).
-    gather_rows: int = 0  # W4A16 only: 0, or x has this many rows and row m reads x[row_token[m]].
+    gather_rows: int = 0  # W4A16 and BF16: 0, or x has this many rows and row m reads x[row_token[m]].
 
     @property
     def weight_rows(self) -> int:
@@ -318,7 +318,7 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
     ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
     caller passed one to write into, else a placeholder: never read). ``GATHER_ROWS > 0``
-    (W4A16): ``x_ptr`` is ``[GATHER_ROWS, K]`` and ``row_token_ptr`` int32 ``[M]`` names the
+    (W4A16, BF16): ``x_ptr`` is ``[GATHER_ROWS, K]`` and ``row_token_ptr`` int32 ``[M]`` names the
     row of it each output row reads (the layer's tokens, never copied into expert order); else
     ``row_token_ptr`` is a placeholder, never read.
 
@@ -455,7 +455,7 @@ def _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local, row_ok, K
                   BLOCK_K: tl.constexpr, W4A4: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """The first K step's activation pointers of rows ``first_row + local``: W4A4 the packed codes
     and their block scales; W4A16 the bf16 values (and ``x_scale_ptr`` as it is, never read).
-    With ``GATHER_ROWS`` (W4A16 only) row ``m`` is row ``row_token[m]`` of an ``x`` of
+    With ``GATHER_ROWS`` (W4A16 and BF16) row ``m`` is row ``row_token[m]`` of an ``x`` of
     ``GATHER_ROWS`` rows, clamped into it; rows ``row_ok`` does not mark read no index."""
     if GATHER_ROWS > 0:
         token = tl.load(row_token_ptr + first_row + local, mask=row_ok, other=0)
@@ -708,7 +708,7 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
       x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
         ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
-      row_token_m: W4A16 only; None, or int32 ``[M]``: row ``m`` of the product is row
+      row_token_m: W4A16 only (bf16: :func:`bf16_matmul`'s); None, or int32 ``[M]``: row ``m`` of the product is row
         ``row_token_m[m]`` of ``x`` (values outside ``[0, T)`` are clamped into it), read by the
         kernel where it is: the ``[M, K]`` copy of ``x`` in expert order is never written.
 
@@ -723,19 +723,10 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
                          "FP4 MMA: SM100, SM120)")
     m, k = _check_rows(x, mode, "x")
-    gather_rows = 0
-    if row_token_m is not None:
-        if mode is not Mode.W4A16:
-            raise ValueError(f"row_token_m: given for {mode.value}, expected None (only the W4A16 kernels read rows "
-                             "by index)")
-        if (not hasattr(row_token_m, "dtype") or np.dtype(row_token_m.dtype) != np.int32
-                or row_token_m.ndim != 1):
-            found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
-                type(row_token_m).__name__
-            raise ValueError(f"row_token_m: {found}, expected int32 [M]")
-        if m == 0 and row_token_m.shape[0]:
-            raise ValueError(f"x: 0 rows, expected at least one for row_token_m's {row_token_m.shape[0]} indices")
-        gather_rows, m = m, row_token_m.shape[0]
+    if row_token_m is not None and mode is Mode.W4A4:
+        raise ValueError("row_token_m: given for w4a4, expected None (its rows are quantized per row before the "
+                         "kernel, so they are a copy anyway)")
+    gather_rows, m = _rows_by_index(row_token_m, m)
     num_experts = _check_group_sizes(group_sizes_e)
     name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
     n_w, _, groups = _check_weights(w, name, op, num_experts, k=k)
@@ -774,25 +765,42 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
                   w.global_scale.reshape(num_experts, groups), out)
 
 
+def _rows_by_index(row_token_m, x_rows: int) -> tuple[int, int]:
+    """``(gather_rows, M)``: ``(0, x_rows)`` without indices; else ``x``'s rows and the indices'
+    count, after checking ``row_token_m`` (int32 ``[M]``, and rows for it to read)."""
+    if row_token_m is None:
+        return 0, x_rows
+    if not hasattr(row_token_m, "dtype") or np.dtype(row_token_m.dtype) != np.int32 or row_token_m.ndim != 1:
+        found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
+            type(row_token_m).__name__
+        raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+    if x_rows == 0 and row_token_m.shape[0]:
+        raise ValueError(f"x: 0 rows, expected at least one for row_token_m's {row_token_m.shape[0]} indices")
+    return x_rows, row_token_m.shape[0]
+
+
 def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
-                transpose_w: bool = False, out=None) -> jax.Array:
+                transpose_w: bool = False, out=None, row_token_m=None) -> jax.Array:
     """The native schedule with bf16 weights (``Mode.BF16``): ``op`` on the rows of ``x_mk``.
 
     Args:
       op: ``Op.MATMUL`` (out bf16 ``[M, N]``, ``out[m] = x[m] @ W_e^T``) or ``Op.GATE_UP_SWIGLU``
         (``w`` ``[E, 2F, K]``, gate rows then up rows; out bf16 ``[M, F]``).
-      x_mk: bf16 ``[M, K]``, rows sorted by expert.
+      x_mk: bf16 ``[M, K]``, rows sorted by expert; with ``row_token_m``, ``[T, K]`` in any order.
       w: bf16 ``[E, N, K]``; with ``transpose_w`` (``Op.MATMUL`` only) ``[E, K, N]`` read as its
         transpose, so ``out[m] = x[m] @ W_e``: the input gradient of a forward that read ``W_e``.
       group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
       compute_capability: picks the tile (:data:`BF16_TILES`).
       tile: overrides the table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased).
+      row_token_m: None, or int32 ``[M]``: row ``m`` reads row ``row_token_m[m]`` of ``x_mk`` in
+        place (as :func:`run`'s).
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype or capability.
     """
     m, k = _check_rows(x_mk, Mode.BF16, "x_mk")
+    gather_rows, m = _rows_by_index(row_token_m, m)
     num_experts = _check_group_sizes(group_sizes_e)
     if op is Op.GATE_UP_SWIGLU and transpose_w:
         raise ValueError("transpose_w: True, expected False for the fused gate/up (an input gradient is a matmul)")
@@ -810,10 +818,11 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
     if m == 0:
         return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
     spec = make_spec(op, Mode.BF16, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
-                     compute_capability=compute_capability, tile=tile, trans_w=transpose_w)
+                     compute_capability=compute_capability, tile=tile, trans_w=transpose_w, gather_rows=gather_rows)
     # One-element placeholders for the scales BF16 never reads keep a single kernel signature.
     u8, f32 = jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32)
-    return launch(spec, group_sizes_e, x_mk, u8, f32, _NO_ROW_TOKENS, w, u8, f32.reshape(1, 1), out)
+    row_token = _NO_ROW_TOKENS if row_token_m is None else row_token_m
+    return launch(spec, group_sizes_e, x_mk, u8, f32, row_token, w, u8, f32.reshape(1, 1), out)
 
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
@@ -1033,46 +1042,52 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
 
 
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
-#: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert through one bf16 copy of the
-#: weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the weight gradient (of ``qat``
-#: masters) is a dense product, the Pallas kernel's, the one there is.
+#: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert
+#: through one bf16 copy of the weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the
+#: weight gradient (of ``qat`` masters) is a dense product, the Pallas kernel's, the one there is.
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
                         input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad,
                         forward_reads_rows_by_index=True)
 
 
-def _bf16_prefill(x_mk, group_sizes_e, compute_capability: int) -> bool:
-    """Whether ``bf16_matmul``'s prefill tiles take these rows (:func:`tuning.choose_variant`);
+def _bf16_prefill(num_rows: int, group_sizes_e, compute_capability: int) -> bool:
+    """Whether ``bf16_matmul``'s prefill tiles take ``num_rows`` rows (:func:`tuning.choose_variant`);
     decode sizes stay on the Pallas kernels, which stream bf16 weights at the byte floor."""
-    return tuning.choose_variant(num_rows=x_mk.shape[0], num_experts=group_sizes_e.shape[0],
+    return tuning.choose_variant(num_rows=num_rows, num_experts=group_sizes_e.shape[0],
                                  compute_capability=compute_capability) is Variant.PREFILL
 
 
 def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
-                             interpret: bool) -> jax.Array:
+                             interpret: bool, row_token_m=None) -> jax.Array:
+    """The native bf16 tiles at prefill sizes, their gate/up kernel reading rows by index if
+    ``row_token_m`` is given; decode sizes through the Pallas kernels (rows gathered first)."""
     _not_interpreted(interpret)
-    if not _bf16_prefill(x_mh, group_sizes_e, compute_capability):
+    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    if not _bf16_prefill(num_rows, group_sizes_e, compute_capability):
+        if row_token_m is not None:
+            x_mh = jnp.take(x_mh, row_token_m, axis=0, mode="clip")
         return PALLAS.forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
                               interpret=False)
     a_mf = bf16_matmul(Op.GATE_UP_SWIGLU, x_mh.astype(jnp.bfloat16), w_gate_up, group_sizes_e,
-                       compute_capability=compute_capability)
+                       compute_capability=compute_capability, row_token_m=row_token_m)
     return bf16_matmul(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability)
 
 
 def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
     _not_interpreted(interpret)
-    if not _bf16_prefill(x_mk, group_sizes_e, compute_capability):
+    if not _bf16_prefill(x_mk.shape[0], group_sizes_e, compute_capability):
         return PALLAS.matmul(x_mk, w, group_sizes_e, compute_capability=compute_capability, interpret=False)
     return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability)
 
 
 #: bf16 weights as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM90, the
 #: capabilities of :data:`BF16_TILES`): the forward GEMMs at prefill sizes through
-#: :func:`bf16_matmul` (~170 rows per expert fill 192 MMA rows, not two 128-row tiles), decode
-#: sizes and both gradients through the Pallas kernels (as fast at the training shape: 609 and
-#: 612 TFLOP/s against 594-601 for the native tiles, benchmarks/results/prefill_h200/).
+#: :func:`bf16_matmul` (~170 rows per expert fill 192 MMA rows, not two 128-row tiles; rows read
+#: by index), decode sizes and both gradients through the Pallas kernels (as fast at the training
+#: shape: 609 and 612 TFLOP/s against 594-601 for the native tiles, benchmarks/results/prefill_h200/).
 BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward, matmul=_bf16_matmul,
-                       input_grad=PALLAS.input_grad, weight_grad=PALLAS.weight_grad)
+                       input_grad=PALLAS.input_grad, weight_grad=PALLAS.weight_grad,
+                       forward_reads_rows_by_index=True)
 
 
 __all__ = ["BF16_BACKEND", "BF16_TILES", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES",

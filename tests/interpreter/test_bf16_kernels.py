@@ -36,8 +36,10 @@ def _expert(op: Op, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
 
 
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: bool = False, experts=None,
-            seed: int = 0, padding: int = 3) -> float:
-    """Runs the kernel on random bf16 rows and weights; asserts and returns its relative error."""
+            seed: int = 0, padding: int = 3, tokens: int = 0) -> float:
+    """Runs the kernel on random bf16 rows and weights; asserts and returns its relative error.
+    With ``tokens``, the kernel reads its rows by index from that many token rows (the padding
+    rows' indices out of range, never read)."""
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int32)
     experts = experts or len(group_sizes)
@@ -48,16 +50,23 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
     stored = np.ascontiguousarray(np.swapaxes(w_enk, 1, 2)) if transpose_w else w_enk
     total = int(group_sizes.sum())
     m = total + padding
-    x = _bf16(rng, (m, k))
+    if tokens:
+        x_in = _bf16(rng, (tokens, k))
+        row_token = np.concatenate([rng.integers(0, tokens, total), np.full(padding, -(1 << 30))]).astype(np.int32)
+        x = x_in[np.maximum(row_token, 0)]
+    else:
+        x_in = x = _bf16(rng, (m, k))
+        row_token = np.zeros(1, np.int32)
     spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                                 scale_groups=1, compute_capability=CC, tile=tile, trans_w=transpose_w)
+                                 scale_groups=1, compute_capability=CC, tile=tile, trans_w=transpose_w,
+                                 gather_rows=tokens)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
-    buffers += [interpreted.buffer(x, "x"),
+    buffers += [interpreted.buffer(x_in, "x"),
                 interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
                 interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
-                interpreted.buffer(np.zeros(1, np.int32), "row_token (unread)"),
+                interpreted.buffer(row_token, "row_token" if tokens else "row_token (unread)"),
                 interpreted.buffer(stored, "w"), interpreted.buffer(np.zeros(1, np.uint8), "w.scales (unread)"),
                 interpreted.buffer(np.zeros((1, 1), np.float32), "w.global_scale (unread)"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
@@ -73,6 +82,13 @@ def test_the_sm90_table_tiles(op):
     """The table's tiles with each of their row paths: a 64-row tail, 128 rows, 128 + 64 in two
     MMAs, and an expert of more than one tile, among empty experts."""
     forward(op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128 if op is Op.MATMUL else 128)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_rows_read_by_index(op):
+    """The table's tiles reading their rows in place by index from fewer, unordered tokens; the
+    padding rows' indices are negative and never read."""
+    forward(op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128, tokens=97, seed=11)
 
 
 def test_the_transposed_weight_matmul():

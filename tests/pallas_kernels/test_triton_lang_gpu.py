@@ -243,23 +243,29 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
 
 
 @pytest.mark.gpu
-def test_native_kimi_size_rows_read_by_index_match_float64_reference(rng, record_property):
-    """The W4A16 gate/up kernel reading its rows in place by index (``row_token_m``, as the layer
-    calls it): the tokens are the rows in a random order, so every row's index is far from its
-    position; 384 experts, the top expert ids, NaN-poisoned outputs."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_native_kimi_size_rows_read_by_index_match_float64_reference(rng, record_property, fmt):
+    """The native gate/up kernel reading its rows in place by index (``row_token_m``, as the layer
+    calls it), W4A16 and bf16: the tokens are the rows in a random order, so every row's index is
+    far from its position; 384 experts, the top expert ids, NaN-poisoned outputs."""
     cc = _capability()
-    if triton_lang.mode_for(cc) is not triton_lang.Mode.W4A16:
+    if fmt == "nvfp4" and triton_lang.mode_for(cc) is not triton_lang.Mode.W4A16:
         pytest.skip(f"SM{cc} runs W4A4, whose rows are quantized per row before the kernel: never read by index")
+    if fmt == "bf16" and cc not in triton_lang.BF16_TILES:
+        pytest.skip(f"SM{cc} has no native bf16 tiles")
     order = np.random.default_rng(int(rng.integers(1 << 31)))
 
     def kernel(x, w, sizes, *, compute_capability, out):
         row_token = order.permutation(x.shape[0]).astype(np.int32)
         tokens = jnp.zeros_like(x).at[jnp.asarray(row_token)].set(x)  # tokens[row_token[m]] = x[m]
+        if fmt == "bf16":
+            return triton_lang.bf16_matmul(Op.GATE_UP_SWIGLU, tokens, w, sizes, compute_capability=compute_capability,
+                                           out=out, row_token_m=jnp.asarray(row_token))
         return triton_lang.run(Op.GATE_UP_SWIGLU, tokens, w, sizes, compute_capability=compute_capability, out=out,
                                row_token_m=jnp.asarray(row_token))
 
-    _check_top_experts(rng, record_property, "native w4a16 gate_up_swiglu by index", kernel, "nvfp4", (2 * F, H), H,
-                       F, lambda x_mk, w_nk: expert_reference("gate_up_swiglu", x_mk, w_nk), mid_rows=True)
+    _check_top_experts(rng, record_property, f"native {fmt} gate_up_swiglu by index", kernel, fmt, (2 * F, H), H, F,
+                       lambda x_mk, w_nk: expert_reference("gate_up_swiglu", x_mk, w_nk), mid_rows=fmt == "nvfp4")
 
 
 def _input_grad_capability() -> int:

@@ -974,7 +974,8 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, row_token, pa
     aliased = out is not None
     out_in = out if aliased else jnp.zeros((1,), jnp.bfloat16)  # a placeholder the kernel never reads
     operands = (*schedule, x, x_scales, x_global, row_token, packed, scales_u8, global_scale_eg, out_in)
-    name = f"native_{spec.op.value}_{spec.mode.value}"
+    # The name is the kernel's in profiles and the HLO: rows read by index say so.
+    name = f"native_{spec.op.value}_{spec.mode.value}" + ("_rows_by_index" if spec.gather_rows else "")
     with jax.named_scope(name):
         y = jax_triton.triton_call(
             *operands, kernel=_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),

@@ -39,8 +39,9 @@ def main() -> None:
     signature = {"a_ptr": "*i8", "b_ptr": "*u8", "s_ptr": "*i8", "o_ptr": "*fp32", "BM": "constexpr",
                  "BN": "constexpr", "BK": "constexpr", "FP8": "constexpr"}
     for fp8 in (True, False):
+        name = "probe_fp8" if fp8 else "probe_bf16"
         kernel = compiler.compile_jit(_probe, signature=signature, constexprs=dict(BM=128, BN=128, BK=64, FP8=fp8),
-                                      capability=90, num_warps=4, num_stages=2, name=f"probe_{'fp8' if fp8 else 'bf16'}")
+                                      capability=90, num_warps=4, num_stages=2, name=name)
         mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+) \{[^}]*\}, (\{[^}]*\}|%rd\d+)", kernel.ptx)
         shape, a_operand = mma[0]
         a_from = f"registers ({a_operand.count('%r')} a thread)" if a_operand.startswith("{") else "shared memory"

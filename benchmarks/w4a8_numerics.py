@@ -110,7 +110,8 @@ def activations(rng, rows: int, hidden: int, outliers: bool) -> np.ndarray:
     return round_bf16(x)
 
 
-def measure(*, experts: int, rows: int, seed: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> list[dict]:
+def measure(*, experts: int, rows: int, seed: int, hidden: int = HIDDEN,
+            intermediate: int = INTERMEDIATE) -> list[dict]:
     """Relative Frobenius error against float64 per variant and activation kind, over ``experts``
     experts of ``rows`` rows each."""
     rng = np.random.default_rng(seed)

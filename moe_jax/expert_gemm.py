@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.registry import Implementation, Registry, Target
-from pallas_kernels.grouped_matmul.expert_mlp import swiglu
+from pallas_kernels.grouped_matmul.expert_mlp import swiglu, token_rows
 from pallas_kernels.grouped_matmul.pallas_triton import group_bounds
 
 if TYPE_CHECKING:
@@ -236,11 +236,6 @@ def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None)
                                        precision, platform)
         y_sn = jnp.concatenate([y_sn, y_tcn.reshape(num_tiles * c, -1)])
     return jnp.take(y_sn, slot_m, axis=0, mode="fill", fill_value=0)
-
-
-def token_rows(x, row_token_m) -> jax.Array:
-    """``[M, H]``: ``x`` as it is, or its rows ``row_token_m`` in that order (the stage's rows)."""
-    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
 
 
 # One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer

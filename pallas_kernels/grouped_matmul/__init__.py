@@ -61,8 +61,8 @@ from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp, is_nvf
 from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["PALLAS", "Backend", "dequantized_input_grad", "expert_mlp", "gate_up_swiglu", "grouped_matmul",
-           "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "input_grad", "run"]
+__all__ = ["PALLAS", "Backend", "dequantized_copy_pays", "dequantized_input_grad", "expert_mlp", "gate_up_swiglu",
+           "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "input_grad", "run"]
 
 K_MULTIPLE = 64
 N_MULTIPLE = 16
@@ -139,11 +139,17 @@ def _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arr
                                          interpret=interpret, out=out)
 
 
+def dequantized_copy_pays(dy_mn, w, group_sizes_e) -> bool:
+    """Whether the input gradient ``dy_mn @ W_e`` goes through :func:`dequantized_input_grad`:
+    NVFP4 ``w`` where :func:`.tuning.dequantize_for_input_grad` says so for these shapes."""
+    return is_nvfp4(w) and tuning.dequantize_for_input_grad(
+        num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0], n=w.packed.shape[1], k=2 * w.packed.shape[2])
+
+
 def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool = False) -> jax.Array:
-    """:data:`PALLAS`' input gradient: NVFP4 weights through :func:`dequantized_input_grad` where
-    :func:`.tuning.dequantize_for_input_grad` says so, else :func:`grouped_matmul_input_grad`."""
-    if is_nvfp4(w) and tuning.dequantize_for_input_grad(num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0],
-                                                         n=w.packed.shape[1], k=2 * w.packed.shape[2]):
+    """:data:`PALLAS`' input gradient: through :func:`dequantized_input_grad` where
+    :func:`dequantized_copy_pays`, else :func:`grouped_matmul_input_grad`."""
+    if dequantized_copy_pays(dy_mn, w, group_sizes_e):
         return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability,
                                       interpret=interpret)
     return grouped_matmul_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability,

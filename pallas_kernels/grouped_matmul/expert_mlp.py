@@ -63,8 +63,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["Backend", "expert_mlp", "is_nvfp4", "row_experts", "swiglu"]
+__all__ = ["Backend", "check_row_token", "expert_mlp", "is_nvfp4", "row_experts", "swiglu", "token_rows"]
 
 
 class Backend(NamedTuple):
@@ -105,6 +106,20 @@ def is_nvfp4(w) -> bool:
     return all(hasattr(w, attr) for attr in ("packed", "scales", "global_scale"))
 
 
+def check_row_token(row_token_m) -> None:
+    """Raises unless ``row_token_m`` is int32 ``[M]`` (each row's index into the rows it reads)."""
+    if not hasattr(row_token_m, "dtype") or np.dtype(row_token_m.dtype) != np.int32 or row_token_m.ndim != 1:
+        found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
+            type(row_token_m).__name__
+        raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+
+
+def token_rows(x, row_token_m) -> jax.Array:
+    """``[M, H]``: ``x`` as it is, or its rows ``row_token_m`` in that order, the indices clamped
+    into ``[0, T)`` as the kernels that read rows by index clamp them."""
+    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
+
+
 def swiglu(h_mg: jax.Array) -> jax.Array:
     """``silu(gate) * up`` for ``h_mg = [gate | up]`` along the last axis."""
     gate, up = jnp.split(h_mg, 2, axis=-1)
@@ -115,10 +130,7 @@ def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, comp
                interpret: bool = False, quantize: Callable | None = None, row_token_m=None) -> jax.Array:
     """bf16 ``[M, H]``: the expert MLP of each row's expert, differentiable (see the module docstring)."""
     if row_token_m is not None:
-        if not hasattr(row_token_m, "dtype") or row_token_m.dtype != jnp.int32 or row_token_m.ndim != 1:
-            found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
-                type(row_token_m).__name__
-            raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+        check_row_token(row_token_m)
         if x_mh.ndim != 2 or (x_mh.shape[0] == 0 and row_token_m.shape[0]):
             raise ValueError(f"x_mh: {x_mh.dtype}{list(x_mh.shape)}, expected [T, H] with T >= 1 rows for "
                              f"row_token_m's {row_token_m.shape[0]} indices")
@@ -140,9 +152,8 @@ def _kernel_weight(w, quantize):
 
 
 def _rows(x, row_token_m):
-    """bf16 ``[M, H]``: ``x`` itself, or its rows ``row_token_m`` (clamped, as the kernels read them)."""
-    x = x.astype(jnp.bfloat16)
-    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
+    """bf16 ``[M, H]``: :func:`token_rows` of ``x``."""
+    return token_rows(x.astype(jnp.bfloat16), row_token_m)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

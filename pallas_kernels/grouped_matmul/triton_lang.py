@@ -43,9 +43,11 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul import PALLAS, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton
+from pallas_kernels.grouped_matmul import (
+    PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
+)
 from pallas_kernels.grouped_matmul import tuning
-from pallas_kernels.grouped_matmul.expert_mlp import Backend
+from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
@@ -726,7 +728,7 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
     if row_token_m is not None and mode is Mode.W4A4:
         raise ValueError("row_token_m: given for w4a4, expected None (its rows are quantized per row before the "
                          "kernel, so they are a copy anyway)")
-    gather_rows, m = _rows_by_index(row_token_m, m)
+    gather_rows, m, row_token = _rows_by_index(row_token_m, m)
     num_experts = _check_group_sizes(group_sizes_e)
     name = "w_gate_up" if op is Op.GATE_UP_SWIGLU else "w"
     n_w, _, groups = _check_weights(w, name, op, num_experts, k=k)
@@ -760,23 +762,20 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
             rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
         case _:
             assert_never(mode)
-    row_token = _NO_ROW_TOKENS if row_token_m is None else row_token_m
     return launch(spec, group_sizes_e, *rows, row_token, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
                   w.global_scale.reshape(num_experts, groups), out)
 
 
-def _rows_by_index(row_token_m, x_rows: int) -> tuple[int, int]:
-    """``(gather_rows, M)``: ``(0, x_rows)`` without indices; else ``x``'s rows and the indices'
-    count, after checking ``row_token_m`` (int32 ``[M]``, and rows for it to read)."""
+def _rows_by_index(row_token_m, x_rows: int) -> tuple[int, int, jax.Array]:
+    """``(gather_rows, M, row_token operand)``: ``(0, x_rows, placeholder)`` without indices; else
+    ``x``'s rows, the indices' count and the indices, after checking them (int32 ``[M]``, and rows
+    for them to read)."""
     if row_token_m is None:
-        return 0, x_rows
-    if not hasattr(row_token_m, "dtype") or np.dtype(row_token_m.dtype) != np.int32 or row_token_m.ndim != 1:
-        found = f"{row_token_m.dtype}{list(row_token_m.shape)}" if hasattr(row_token_m, "dtype") else \
-            type(row_token_m).__name__
-        raise ValueError(f"row_token_m: {found}, expected int32 [M]")
+        return 0, x_rows, _NO_ROW_TOKENS
+    check_row_token(row_token_m)
     if x_rows == 0 and row_token_m.shape[0]:
         raise ValueError(f"x: 0 rows, expected at least one for row_token_m's {row_token_m.shape[0]} indices")
-    return x_rows, row_token_m.shape[0]
+    return x_rows, row_token_m.shape[0], row_token_m
 
 
 def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
@@ -800,7 +799,7 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
       ValueError: naming the argument, for a bad shape, dtype or capability.
     """
     m, k = _check_rows(x_mk, Mode.BF16, "x_mk")
-    gather_rows, m = _rows_by_index(row_token_m, m)
+    gather_rows, m, row_token = _rows_by_index(row_token_m, m)
     num_experts = _check_group_sizes(group_sizes_e)
     if op is Op.GATE_UP_SWIGLU and transpose_w:
         raise ValueError("transpose_w: True, expected False for the fused gate/up (an input gradient is a matmul)")
@@ -821,7 +820,6 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
                      compute_capability=compute_capability, tile=tile, trans_w=transpose_w, gather_rows=gather_rows)
     # One-element placeholders for the scales BF16 never reads keep a single kernel signature.
     u8, f32 = jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32)
-    row_token = _NO_ROW_TOKENS if row_token_m is None else row_token_m
     return launch(spec, group_sizes_e, x_mk, u8, f32, row_token, w, u8, f32.reshape(1, 1), out)
 
 
@@ -1019,8 +1017,7 @@ def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, inter
     """:func:`input_grad`, or through one bf16 copy of the weights where
     :func:`tuning.dequantize_for_input_grad` says so (many rows per expert)."""
     _not_interpreted(interpret)
-    if tuning.dequantize_for_input_grad(num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0],
-                                        n=w.packed.shape[1], k=2 * w.packed.shape[2]):
+    if dequantized_copy_pays(dy_mn, w, group_sizes_e):
         return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
     return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
 
@@ -1065,10 +1062,8 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     _not_interpreted(interpret)
     num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
     if not _bf16_prefill(num_rows, group_sizes_e, compute_capability):
-        if row_token_m is not None:
-            x_mh = jnp.take(x_mh, row_token_m, axis=0, mode="clip")
-        return PALLAS.forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
-                              interpret=False)
+        return PALLAS.forward(token_rows(x_mh, row_token_m), group_sizes_e, w_gate_up, w_down,
+                              compute_capability=compute_capability, interpret=False)
     a_mf = bf16_matmul(Op.GATE_UP_SWIGLU, x_mh.astype(jnp.bfloat16), w_gate_up, group_sizes_e,
                        compute_capability=compute_capability, row_token_m=row_token_m)
     return bf16_matmul(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability)

@@ -103,7 +103,8 @@ def route(
     4. weights are the unbiased scores of the chosen experts, divided by their sum when
        ``normalize`` (plus 1e-20, as DeepSeek-V3 does), then times ``routed_scaling_factor``.
 
-    Ties go to the lower expert (or group) index, so routing is deterministic.
+    Ties go to the lower expert (or group) index, so routing is deterministic. A NaN
+    selection score counts as +inf (its token's weights are NaN; its ids stay in ``[0, E)``).
 
     Args:
       logits_te: ``[T, E]`` router logits, any float dtype.
@@ -125,12 +126,40 @@ def route(
         choice_te = scores_te + correction_bias_e.astype(jnp.float32)[None, :]
     if config.num_groups > 1:
         choice_te = _keep_best_groups(choice_te, config.num_groups, config.topk_groups)
-    _, ids_tk = jax.lax.top_k(choice_te, config.top_k)
+    ids_tk = top_k_ids(choice_te, config.top_k)
     weights_tk = jnp.take_along_axis(scores_te, ids_tk, axis=-1)
     if config.normalize:
         weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + 1e-20)
     weights_tk = weights_tk * jnp.float32(config.routed_scaling_factor)
-    return ids_tk.astype(jnp.int32), weights_tk
+    return ids_tk, weights_tk
+
+
+#: XLA's GPU TopK kernel (``__gpu$TopK``: an insertion pass per row in registers, ties to the lower
+#: index) takes k <= 16 and rows of at least 1024 entries (``TopkSpecializer``); narrower rows are
+#: sorted whole, which took 123-129 us of the 8192-token Kimi K2 layer on an H200 for its
+#: ``[8192, 384]`` scores (``sort_14_1`` in ``benchmarks/results/profile_layer_h200/``).
+TOPK_KERNEL_MIN_WIDTH = 1024
+TOPK_KERNEL_MAX_K = 16
+#: Below this many experts the padded row (4 KB of float32 whatever E is) outweighs sorting E
+#: entries (Mixtral's 8); from it up (DeepSeek-V3's 256, Kimi K2's 384) rows are padded.
+TOPK_PAD_MIN_EXPERTS = 256
+
+
+def top_k_ids(choice_te: jax.Array, k: int) -> jax.Array:
+    """int32 ``[T, k]``: each row's ``k`` largest entries, largest first, ties to the lower
+    index, as ``jax.lax.top_k`` orders them; a NaN counts as +inf.
+
+    Rows of ``TOPK_PAD_MIN_EXPERTS`` to ``TOPK_KERNEL_MIN_WIDTH`` entries are padded with -inf
+    to the width XLA's GPU TopK kernel takes, so that they are not sorted: a padding entry
+    ties at best with a real -inf, and ties go to the lower index, so with ``k <= E`` no padding
+    entry is chosen and the choice is exactly the unpadded one. NaN is mapped to +inf first,
+    because that kernel compares with ``>`` (NaN would fall anywhere, padding included).
+    """
+    _, e = choice_te.shape
+    choice_te = jnp.where(jnp.isnan(choice_te), jnp.inf, choice_te)
+    if TOPK_PAD_MIN_EXPERTS <= e < TOPK_KERNEL_MIN_WIDTH and k <= TOPK_KERNEL_MAX_K:
+        choice_te = jnp.pad(choice_te, ((0, 0), (0, TOPK_KERNEL_MIN_WIDTH - e)), constant_values=-jnp.inf)
+    return jax.lax.top_k(choice_te, k)[1].astype(jnp.int32)
 
 
 def _keep_best_groups(choice_te: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:

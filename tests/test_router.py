@@ -290,3 +290,43 @@ def test_logits_gradients_are_those_of_the_float32_matmul(rng):
             np.asarray(probe, np.float64).T @ np.asarray(x, np.float64))
     np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(got[1], np.float64), want[1], rtol=1e-5, atol=1e-5)
+
+
+def stable_top_k_np(values, k):
+    """The reference order: largest first, ties to the lower index, NaN as +inf (float64)."""
+    v = np.where(np.isnan(values), np.inf, values.astype(np.float64))
+    return np.argsort(-v, axis=-1, kind="stable")[:, :k]
+
+
+@pytest.mark.parametrize(("width", "k"), [(width, k) for width in (8, 255, 256, 384, 1023, 1024, 1500)
+                                          for k in (1, 8, 16, 17) if k <= width])
+def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k):
+    """Rows padded for XLA's GPU TopK kernel (256 <= E < 1024, k <= 16) and rows that are not
+    choose the same ids in the same order as a stable float64 sort: ties (a few levels), -inf and
+    +inf entries, a row of -inf only, and NaN (as +inf) included."""
+    values = rng.integers(0, 6, (40, width)).astype(np.float32) * 0.25  # many exact ties
+    values[1] = -np.inf
+    values[2, ::3] = -np.inf
+    values[3, 5] = np.inf
+    values[4, [7, 2]] = np.nan
+    values[5, -1] = np.inf  # the last real column beats every padding entry
+    ids = np.asarray(router.top_k_ids(jnp.asarray(values), k))
+    assert ids.dtype == np.int32 and ids.shape == (40, k)
+    np.testing.assert_array_equal(ids, stable_top_k_np(values, k))
+    assert ((ids >= 0) & (ids < width)).all()
+
+
+@pytest.mark.gpu
+def test_kimi_size_top_k_runs_as_xlas_topk_kernel_with_the_sorts_choice(rng):
+    """At Kimi K2's [8192, 384] the padded rows reach XLA's ``__gpu$TopK`` (no sort in the
+    compiled program), and its choice is the sort's: the unpadded ``jax.lax.top_k`` on the same
+    GPU, and the stable float64 order, with exact ties and -inf entries."""
+    values = rng.integers(0, 50, (8192, 384)).astype(np.float32) / 49
+    values[::97, ::5] = -np.inf
+    x = jax.device_put(jnp.asarray(values), jax.devices("gpu")[0])
+    padded = jax.jit(lambda v: router.top_k_ids(v, 8))
+    hlo = padded.lower(x).compile().as_text()
+    assert "__gpu$TopK" in hlo and " sort(" not in hlo, [line for line in hlo.splitlines() if "sort" in line][:3]
+    ids = np.asarray(padded(x))
+    np.testing.assert_array_equal(ids, np.asarray(jax.jit(lambda v: jax.lax.top_k(v, 8)[1])(x)))
+    np.testing.assert_array_equal(ids, stable_top_k_np(values, 8))

@@ -46,11 +46,13 @@ import moe_jax  # noqa: E402
 from benchmarks.expert_parallel import timed  # noqa: E402
 
 
-def config_for(preset: str, fmt: str, gemm: str) -> moe_jax.MoEConfig:
+def config_for(preset: str, fmt: str, gemm: str, shared_fmt: str | None = None) -> moe_jax.MoEConfig:
+    """``shared_fmt`` None: the shared expert in the routed experts' format; ``"bf16"``: as
+    NVIDIA's NVFP4 export of Kimi K2 keeps it."""
+    config = moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm, shared_weight_format=shared_fmt)
     if preset == "kimi_k2":
-        return moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm)
-    return dataclasses.replace(moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm),
-                               num_experts=16, hidden_size=256, expert_intermediate_size=128, top_k=4)
+        return config
+    return dataclasses.replace(config, num_experts=16, hidden_size=256, expert_intermediate_size=128, top_k=4)
 
 
 def _named(trace: dict) -> tuple[list, dict, dict]:
@@ -147,8 +149,10 @@ def markdown(results: dict) -> str:
     lines = [f"# Where a layer call spends its GPU time ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`.", "",
              f"{meta['preset']} layer, {meta['format']} experts on `{meta['expert_gemm']}` (plan: "
-             f"`{meta['resolved_expert_gemm']}`; shared expert through the kernels up to "
-             f"{meta.get('shared_kernel_max_tokens', '?')} tokens), all experts on one device. Wall: median of 5 windows of "
+             f"`{meta['resolved_expert_gemm']}`; "
+             + ("shared expert in bf16, an XLA dot" if meta.get("shared_format") == "bf16" else
+                f"shared expert through the kernels up to {meta.get('shared_kernel_max_tokens', '?')} tokens")
+             + "), all experts on one device. Wall: median of 5 windows of "
              f"{meta['iters']} calls, no profiler. Span, busy and the kernel table: {meta['calls']} calls under "
              "`jax.profiler.trace`, per call; busy = time at least one kernel runs, so span - busy is the "
              "time between kernels.", ""]
@@ -182,6 +186,9 @@ def main() -> None:
     parser.add_argument("--format", default="nvfp4", choices=["nvfp4", "bf16"])
     parser.add_argument("--expert-gemm", default="auto")
     parser.add_argument("--preset", default="kimi_k2", choices=["kimi_k2", "small"])
+    parser.add_argument("--shared-format", default=None, choices=["bf16", "nvfp4"],
+                        help="the shared expert's weights (default: the routed experts' format; NVIDIA's NVFP4 "
+                             "export of Kimi K2 keeps them in bf16)")
     parser.add_argument("--calls", type=int, default=5, help="calls recorded in each trace")
     parser.add_argument("--iters", type=int, default=10, help="calls per timing window (no profiler)")
     parser.add_argument("--shared-kernel-max-tokens", type=int, default=None,
@@ -192,14 +199,15 @@ def main() -> None:
     if args.calls < 1 or args.iters < 1:
         parser.error(f"--calls {args.calls}, --iters {args.iters}: expected >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    config = config_for(args.preset, args.format, args.expert_gemm)
+    config = config_for(args.preset, args.format, args.expert_gemm, args.shared_format)
     plan = moe_jax.resolve(config, None)
     if args.shared_kernel_max_tokens is not None:
         plan = dataclasses.replace(plan, shared_kernel_max_tokens=args.shared_kernel_max_tokens)
     print(plan.report, flush=True)
     results = {"meta": {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                         "commit": os.environ.get("GIT_COMMIT", "unknown"), "preset": args.preset,
-                        "format": args.format, "expert_gemm": args.expert_gemm,
+                        "format": args.format, "shared_format": str(config.shared_format),
+                        "expert_gemm": args.expert_gemm,
                         "resolved_expert_gemm": plan.expert_gemm, "calls": args.calls,
                         "shared_kernel_max_tokens": plan.shared_kernel_max_tokens, "iters": args.iters,
                         "jax": jax.__version__, "report": plan.report,

@@ -260,10 +260,10 @@ def markdown(results: dict) -> str:
                      if floor else f"| {t} | {touched} | " + " | ".join(cells) + " | - | - |")
     export = [r for r in rows if r.get("format") == "nvfp4" and r.get("shared_format") == "bf16" and "seconds" in r]
     if export:
+        ratios = ", ".join(f"{r['tokens']} tokens {r['floor_bytes'] / bw * 1e3:.2f} ms, "
+                           f"{r['seconds'] * bw / r['floor_bytes']:.2f}x" for r in export)
         lines += ["", f"`{export[0]['impl']}`: the shared expert in bf16, as that checkpoint loads; its own floor "
-                  "(the shared expert's bf16 bytes) and ratio: " + ", ".join(
-                      f"{r['tokens']} tokens {r['floor_bytes'] / bw * 1e3:.2f} ms, {r['seconds'] * bw / r['floor_bytes']:.2f}x"
-                      for r in export) + "."]
+                  f"(the shared expert's bf16 bytes) and ratio: {ratios}."]
     auto = [r for r in rows if r["impl"].startswith("auto") and "expert_gemm" in r]
     if auto:
         lines += ["", f"`auto` chose `{auto[0]['expert_gemm']}` for NVFP4 on this GPU."]

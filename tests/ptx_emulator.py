@@ -1,4 +1,5 @@
-"""A small evaluator of the W4A16 dequantization's inline PTX on NumPy registers.
+"""A small evaluator of the native kernels' inline PTX (the W4A16 dequantization, and the W4A8
+probe's E4M3 placement in ``benchmarks/fp8_probe_kernel.py``) on NumPy registers.
 
 The native W4A16 kernels (``pallas_kernels/grouped_matmul/triton_lang.py``) place E2M1 codes into
 bf16 with a block of inline PTX that no CPU executes. This evaluates it instruction by
@@ -11,7 +12,17 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
+
+
+def _f16(bits):
+    return np.asarray(bits).astype(np.uint16).view(np.float16)
+
+
+def _e4m3_to_f16_bits(bits):
+    e4m3 = np.asarray(bits).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+    return e4m3.astype(np.float16).view(np.uint16).astype(np.uint64)
 
 
 def run(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -70,6 +81,26 @@ def run(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 assert not (bits & 0xFFFF).any(), "fma.rn.bf16x2 would round"
                 halves.append((bits >> 16).astype(np.uint64))
             regs[dst] = halves[0] | (halves[1] << np.uint64(16))
+        elif op == "cvt.rn.f16x2.e4m3x2":  # two E4M3 bytes -> two f16 (exact), low byte to the low half
+            bits = val(src[0])
+            halves = [_e4m3_to_f16_bits((bits >> np.uint64(8 * i)) & np.uint64(0xFF)) for i in (0, 1)]
+            regs[dst] = halves[0] | (halves[1] << np.uint64(16))
+        elif op == "mul.rn.f16x2":
+            halves = []
+            for shift in (np.uint64(0), np.uint64(16)):
+                a, b = ((val(x) >> shift) & np.uint64(0xFFFF) for x in src)
+                product = _f16(a).astype(np.float64) * _f16(b).astype(np.float64)
+                halves.append(product.astype(np.float16).view(np.uint16).astype(np.uint64))  # nearest even
+            regs[dst] = halves[0] | (halves[1] << np.uint64(16))
+        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":  # two f16 -> two E4M3 bytes, nearest even, clamped to +-448
+            bits = val(src[0])
+            out = np.zeros_like(bits)
+            for i in (0, 1):
+                value = _f16((bits >> np.uint64(16 * i)) & np.uint64(0xFFFF)).astype(np.float32)
+                value = np.where(np.isnan(value), value, np.clip(value, -448.0, 448.0))
+                e4m3 = value.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint64)
+                out |= e4m3 << np.uint64(8 * i)
+            regs[dst] = out
         else:
             raise AssertionError(f"instruction not emulated: {op}")
     return regs

@@ -79,7 +79,7 @@ def buffer(array: np.ndarray, name: str) -> Buffer:
     """Registers ``array`` (C-contiguous) for the bounds checks and wraps it for a launch."""
     array = np.ascontiguousarray(array)
     kinds = {np.dtype(np.uint8): "u8", np.dtype(np.int32): "i32", np.dtype(np.float32): "fp32",
-             np.dtype(ml_dtypes.bfloat16): "bf16"}
+             np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(ml_dtypes.float8_e4m3fn): "fp8e4nv"}
     start = array.ctypes.data
     _BUFFERS.append((start, start + max(array.nbytes, 1), name))
     return Buffer(array, kinds[array.dtype], name)
@@ -220,30 +220,47 @@ def install() -> None:
 
 
 class _InlineAsm:
-    """The results of one ``tl.inline_asm_elementwise`` (``pack=1``), evaluated by
-    :mod:`ptx_emulator` on every element at once; ``get_result(i)`` as the builder's op has it."""
+    """The results of one ``tl.inline_asm_elementwise``, evaluated by :mod:`ptx_emulator` on every
+    element at once; ``get_result(i)`` as the builder's op has it. With ``pack > 1`` an instance
+    takes ``pack`` consecutive elements (row-major, the last axis fastest) of each input, one
+    register each, and an output narrower than 32 bits holds its ``pack`` elements in one
+    register, element ``q`` in the ``q``-th lowest bits (the W4A8 probe's pack of 4 bytes)."""
 
     _BITS = {"h": (np.uint16, 0xFFFF), "r": (np.uint32, 0xFFFFFFFF)}
 
     def __init__(self, it, asm: str, constraints: str, values, types, pack: int):
-        if pack != 1:
-            raise NotImplementedError(f"inline asm with pack={pack}: only pack=1 is emulated")
         kinds = [c.strip() for c in constraints.split(",")]
         outputs = [k.lstrip("=") for k in kinds if k.startswith("=")]
         inputs = kinds[len(outputs):]
+        if len(inputs) != pack * len(values):
+            raise NotImplementedError(f"inline asm: {len(inputs)} input registers for {len(values)} inputs at "
+                                      f"pack={pack}")
+        shape = np.broadcast_shapes(*(np.shape(v.data) for v in values))
         operands = {}
-        for i, (kind, value) in enumerate(zip(inputs, values, strict=True)):
-            dtype, _ = self._BITS[kind]
-            bits = np.ascontiguousarray(value.data).view(dtype) if value.data.dtype.itemsize == np.dtype(dtype).itemsize \
-                else value.data.astype(dtype)
-            operands[f"r{len(outputs) + i}"] = bits.astype(np.uint64)
+        for i, value in enumerate(values):
+            flat = np.broadcast_to(value.data, shape).reshape(-1)
+            for q in range(pack):
+                dtype, _ = self._BITS[inputs[i * pack + q]]
+                part = np.ascontiguousarray(flat[q::pack])
+                bits = part.view(dtype) if part.dtype.itemsize == np.dtype(dtype).itemsize else part.astype(dtype)
+                operands[f"r{len(outputs) + i * pack + q}"] = bits.astype(np.uint64)
         regs = ptx_emulator.run(asm.replace("$", "r"), operands)
         self._results = []
         for j, (kind, ty) in enumerate(zip(outputs, types, strict=True)):
             dtype, mask = self._BITS[kind]
             scalar = getattr(ty, "scalar", ty)
-            bits = (regs[f"r{j}"] & np.uint64(mask)).astype(dtype)
-            self._results.append(it.TensorHandle(bits.view(it._get_np_dtype(scalar)), scalar))
+            np_dtype = np.dtype(it._get_np_dtype(scalar))
+            if pack == 1:
+                bits = (regs[f"r{j}"] & np.uint64(mask)).astype(dtype)
+                self._results.append(it.TensorHandle(bits.view(np_dtype).reshape(shape), scalar))
+                continue
+            width = 8 * np_dtype.itemsize
+            if kind != "r" or width * pack != 32:
+                raise NotImplementedError(f"inline asm output {kind} of {np_dtype} at pack={pack}")
+            element_bits = np.uint64((1 << width) - 1)
+            parts = [(regs[f"r{j}"] >> np.uint64(width * q)) & element_bits for q in range(pack)]
+            flat = np.stack(parts, axis=-1).reshape(-1).astype(np.dtype(f"uint{width}"))
+            self._results.append(it.TensorHandle(flat.view(np_dtype).reshape(shape), scalar))
 
     def get_result(self, i: int):
         return self._results[i]

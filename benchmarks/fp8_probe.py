@@ -1,0 +1,220 @@
+"""One-GPU-call probe: what Hopper's FP8 tensor cores would give the routed grouped GEMMs (W4A8),
+against the W4A16 table kernel and the dense cuBLAS anchor, at Kimi K2's prefill sizes.
+
+Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with SwiGLU, down K
+2048 N 7168), from one set of random NVFP4 weights (``gluon_probe.nvfp4_weights``, global scales
+1) and one set of bf16 rows:
+
+* ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
+* ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
+* ``bf16 table``: ``triton_lang.bf16_matmul`` on the weights dequantized to bf16 (exact);
+* ``probe bf16`` / ``probe fp8``: ``fp8_probe_kernel`` with bf16, or E4M3, weights and rows from
+  memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate
+  with nothing dequantized, the second the ceiling of a W4A8 kernel on it;
+* ``probe w4a8``: the NVFP4 weights placed into E4M3 in registers, E4M3 rows (in the probe's
+  column order).
+
+Each kernel writes into a NaN-poisoned buffer; recorded: NaN rows among the defined ones, the
+relative error of sampled rows (experts 0, 1, 191, 383) against float64 of the values that kernel
+multiplies (bf16 rows and exact weights; E4M3 rows and E4M3 weights), the relative difference of
+``probe w4a8`` from 8 x ``probe fp8`` (the same products), and the median of timed calls (rows
+rotated over 3 copies) after a warm-up. ``--budget-s`` bounds the run.
+
+    PYTHONPATH=$PWD python benchmarks/fp8_probe.py --out DIR [--rows 65536 8192] [--budget-s 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import numpy as np
+
+T0 = time.monotonic()
+E, H, F = 384, 7168, 2048
+SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a8")
+
+
+def left(budget: float) -> float:
+    return budget - (time.monotonic() - T0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rows", type=int, nargs="*", default=[65536, 8192])
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=KERNELS)
+    ap.add_argument("--block-n-down", type=int, default=128, help="the probe's output columns per tile for down")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows_out: list[dict] = []
+
+    def record(**row):
+        row["t_s"] = round(time.monotonic() - T0, 1)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(args.out, "fp8_probe.json"), "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import fp8_probe_kernel as fk
+    from benchmarks.gluon_probe import nvfp4_weights
+    from pallas_kernels.grouped_matmul import triton_lang
+    from pallas_kernels.grouped_matmul.tuning import Op
+
+    record(shape="-", kernel="env", device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    lut = jnp.asarray(E2M1, jnp.float32)
+
+    for shape in args.shapes:
+        k, n_out = SHAPES[shape]
+        op = Op.GATE_UP_SWIGLU if shape == "gate_up" else Op.MATMUL
+        n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
+        kw, ks, kg, kx = jax.random.split(jax.random.key(0 if shape == "gate_up" else 1), 4)
+        w = nvfp4_weights(jax, jnp, kw, ks, kg, n_w, k)
+        w.global_scale = jnp.ones((E,), jnp.float32)
+        scales_u8 = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+
+        @jax.jit
+        def values(packed, scales):  # code * scale, float32 [e, n_w, k] (exact in bf16)
+            codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+            return lut[codes] * jnp.repeat(scales.astype(jnp.float32), 16, axis=-1)
+
+        chunks = [slice(c, c + 24) for c in range(0, E, 24)]
+        w_bf16 = jnp.concatenate([values(w.packed[c], w.scales[c]).astype(jnp.bfloat16) for c in chunks])
+        w_fp8 = jnp.concatenate([(values(w.packed[c], w.scales[c]) / 8).astype(jnp.float8_e4m3fn) for c in chunks])
+        jax.block_until_ready((w_bf16, w_fp8))
+
+        for m in args.rows:
+            if left(args.budget_s) < 30:
+                record(shape=shape, rows=m, kernel="-", error="skipped: budget")
+                continue
+            flops = 2.0 * m * k * n_w
+            sizes = np.full(E, m // E, np.int32)
+            sizes[: m - sizes.sum()] += 1
+            group_sizes = jnp.asarray(sizes)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            samples = [(e, int(starts[e] + o)) for e, o in ((0, 0), (1, 5), (E // 2 - 1, 3), (E - 1, sizes[-1] - 1))]
+            xs = [jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.bfloat16) for i in range(3)]
+            xs_fp8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
+            poison = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
+
+            def exact(x, w_values, scale=1.0):
+                """float64 ``[samples, n_out]``: the sampled rows through their experts."""
+                out = []
+                for e, row in samples:
+                    y = np.asarray(w_values[e].astype(jnp.float32), np.float64) @ np.asarray(
+                        x[row].astype(jnp.float32), np.float64) * scale
+                    if op is Op.GATE_UP_SWIGLU:
+                        g, u = y[:n_out], y[n_out:]
+                        y = g / (1.0 + np.exp(-g)) * u
+                    out.append(y)
+                return np.stack(out)
+
+            def sampled_err(y, want):
+                got = np.asarray(y[np.array([r for _, r in samples])].astype(jnp.float32), np.float64)
+                return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+            def timed(fn, inputs):
+                for i in range(2):
+                    jax.block_until_ready(fn(inputs[i % 3]))
+                times = []
+                while len(times) < max(5, args.iters) and (len(times) < 3 or left(args.budget_s) > 20):
+                    t = time.perf_counter()
+                    jax.block_until_ready(fn(inputs[len(times) % 3]))
+                    times.append(time.perf_counter() - t)
+                return float(np.median(times)), len(times)
+
+            anchor = None
+            try:
+                wd = jax.random.normal(kw, (k, n_w), jnp.bfloat16)
+                dense = jax.jit(lambda x: jnp.dot(x, wd, preferred_element_type=jnp.bfloat16))
+                med, n = timed(dense, xs)
+                anchor = flops / med
+                record(shape=shape, rows=m, kernel="dense anchor (XLA bf16)", ms=round(med * 1e3, 3),
+                       tflops=round(flops / med / 1e12, 1), iters=n)
+                del wd
+            except Exception as err:  # noqa: BLE001 (recorded, never hidden)
+                record(shape=shape, rows=m, kernel="dense anchor", error=f"{type(err).__name__}: {str(err)[:300]}")
+
+            want_bf16 = exact(xs[0], w_bf16)
+            want_fp8 = exact(xs_fp8[0], w_fp8)
+            block_n = 64 if op is Op.GATE_UP_SWIGLU else args.block_n_down
+            probe_fp8_out = None
+            for label in args.kernels:
+                if left(args.budget_s) < 20:
+                    record(shape=shape, rows=m, kernel=label, error="skipped: budget")
+                    continue
+                try:
+                    if label == "table w4a16":
+                        bk = triton_lang.k_order(op, num_rows=m, num_experts=E, k=k, n_out=n_out, compute_capability=90)
+                        inputs = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, bk) for x in xs]
+
+                        def fn(x, out=None, bk=bk):
+                            return triton_lang.run(op, x, w, group_sizes, compute_capability=90, out=out, x_k_order=bk)
+                        want = want_bf16
+                    elif label == "bf16 table":
+                        inputs = xs
+
+                        def fn(x, out=None):
+                            return triton_lang.bf16_matmul(op, x, w_bf16, group_sizes, compute_capability=90, out=out)
+                        want = want_bf16
+                    else:
+                        mode = {"probe bf16": fk.Mode.BF16, "probe fp8": fk.Mode.FP8, "probe w4a8": fk.Mode.W4A8}[label]
+                        spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
+                                            block_n=block_n)
+                        unread = scales_u8[:1, :1, :1]
+                        weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
+                                   fk.Mode.W4A8: (w.packed, scales_u8)}[mode]
+                        inputs = {fk.Mode.BF16: xs, fk.Mode.FP8: xs_fp8,
+                                  fk.Mode.W4A8: [jax.jit(fk.permute_k)(x) for x in xs_fp8]}[mode]
+
+                        def fn(x, out=None, spec=spec, weights=weights):
+                            return fk.launch(spec, group_sizes, x, *weights, out)
+                        want = {fk.Mode.BF16: want_bf16, fk.Mode.FP8: want_fp8, fk.Mode.W4A8: want_fp8 * 8}[mode]
+                        if mode is fk.Mode.W4A8 and op is Op.GATE_UP_SWIGLU:
+                            want = exact(xs_fp8[0], w_fp8, scale=8.0)
+                    y = jax.block_until_ready(fn(inputs[0], out=poison.copy()))
+                    nan_rows = int(jnp.sum(jnp.any(jnp.isnan(y[: int(sizes.sum())]), axis=1)))
+                    row = dict(nan_rows=nan_rows, sampled_rel_err_f64=sampled_err(y, want))
+                    if label == "probe fp8":
+                        probe_fp8_out = y
+                    if label == "probe w4a8" and probe_fp8_out is not None and op is Op.MATMUL:
+                        d = y.astype(jnp.float32) - 8 * probe_fp8_out.astype(jnp.float32)
+                        row["rel_vs_8x_probe_fp8"] = float(jnp.linalg.norm(d) / jnp.linalg.norm(y.astype(jnp.float32)))
+                    del y
+                    med, n = timed(fn, inputs)
+                    record(shape=shape, rows=m, kernel=label, ms=round(med * 1e3, 3),
+                           tflops=round(flops / med / 1e12, 1),
+                           of_anchor=round(flops / med / anchor, 3) if anchor else None, iters=n,
+                           correct=nan_rows == 0 and row["sampled_rel_err_f64"] < 1e-2, **row)
+                    del inputs
+                except Exception as err:  # noqa: BLE001 (recorded, never hidden)
+                    record(shape=shape, rows=m, kernel=label, error=f"{type(err).__name__}: {str(err)[:600]}",
+                           trace=traceback.format_exc()[-1500:])
+            del xs, xs_fp8, poison
+        del w, w_bf16, w_fp8
+
+    with open(os.path.join(args.out, "fp8_probe.md"), "w") as f:
+        f.write("| shape | rows | kernel | ms | TFLOP/s | of anchor | f64 sampled | NaN rows | correct | note |\n"
+                "|---|---:|---|---:|---:|---:|---:|---:|---|---|\n")
+        for r in rows_out:
+            if r.get("kernel") == "env":
+                continue
+            f.write(f"| {r['shape']} | {r.get('rows', '')} | {r['kernel']} | {r.get('ms', '')} | {r.get('tflops', '')} "
+                    f"| {r.get('of_anchor', '')} | {r.get('sampled_rel_err_f64', '')} | {r.get('nan_rows', '')} "
+                    f"| {r.get('correct', '')} | {r.get('error', '')[:120]} |\n")
+    print(open(os.path.join(args.out, "fp8_probe.md")).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Probe: how much would Hopper's FP8 tensor cores give the routed grouped GEMMs (W4A8)?
+
+A probe beside its benchmark (``benchmarks/fp8_probe.py``), outside the library; nothing
+dispatches to it. One kernel with ``triton_lang``'s prefill schedule (swap-AB: the weight tile is
+the MMA's M operand, 64 + 64 weight rows per warp group pair, token rows on N in tiles of 64, 128
+or 128 + 64 of one expert, ``pallas_triton.tile_schedule``), in three modes that differ only in
+what the MMA multiplies:
+
+* ``BF16``: bf16 weights ``[E, N_W, K]`` and bf16 rows from memory (both ``wgmma`` operands in
+  shared memory): the same schedule's bf16 rate;
+* ``FP8``: E4M3 weights and E4M3 rows from memory: the FP8 tensor cores' rate on this schedule
+  with nothing dequantized, the ceiling of any W4A8 kernel built on it;
+* ``W4A8``: NVFP4 weights as stored (ModelOpt's packed codes, E4M3 block scales), each word of 8
+  codes placed into E4M3 and scaled in registers by :data:`_WORD_TO_E4M3_PTX`, E4M3 rows; the
+  register operand of ``wgmma ... k32 .e4m3``. The rows' columns are in :func:`permute_k`'s order.
+
+W4A8 numerics (``benchmarks/w4a8_numerics.py``, NOTES section 1): a code ``c`` (E2M1) placed bit for
+bit into an E4M3 byte is ``c * 2**-6``; converted to f16 and multiplied by ``scale * 2**3`` (the
+block scale, exact in f16) it is ``c * scale * 2**-3`` exactly (at most 6 significant bits), and
+its conversion back to E4M3 rounds it to 4 (satfinite; ``6 * 448 * 2**-3 = 336`` fits). The
+epilogue multiplies by ``2**3``; global scales are left out (the probe's weights have none), as is
+each row's activation scale (the harness's rows are E4M3 values as they are).
+
+Not the library's kernel: no checks, one block_k (128, the table's prefill tile), no rows by index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.grouped_matmul import pallas_triton
+from pallas_kernels.grouped_matmul.triton_lang import _program_tile
+from pallas_kernels.grouped_matmul.tuning import Op
+
+
+class Mode(enum.Enum):
+    BF16 = 0
+    FP8 = 1
+    W4A8 = 2
+
+
+#: Columns per K step: a thread's 4 words of codes per row are one 16-byte load.
+BLOCK_K = tl.constexpr(128)
+ROWS = 192  # token rows per tile at most: 128 + 64
+
+
+# One packed word ($2; byte i holds elements 2i (low nibble) and 2i + 1) and its block scale as
+# f16x2 {s, s} times 2**3 ($6). The asm runs with pack=4 over four copies of each (a thread's
+# register dimension, so the four elements of a pack are one word's): $3..$5 and $7..$9 are the
+# same values, unread. Out: $0 = E4M3 bytes of codes 0, 2, 4, 6, $1 = of codes 1, 3, 5, 7,
+# each ``code * scale * 2**-3`` rounded to E4M3: each one register of the MMA's A operand.
+# A code's bits s e1 e0 m go to E4M3 bits 7 and 4..2 (``code * 2**-6`` exactly): l = the low
+# nibbles so placed, h the high ones; then each 16-bit half converts to f16x2, is multiplied by
+# the scale (exact: at most 6 significant bits) and converts back (rounding to E4M3's 4).
+def _half_ptx(half: str, out: str) -> str:
+    return f"cvt.rn.f16x2.e4m3x2 f, {half};\nmul.rn.f16x2 f, f, $6;\ncvt.rn.satfinite.e4m3x2.f16x2 {out}, f;\n"
+
+
+_WORD_TO_E4M3_PTX = tl.constexpr(
+    "{\n.reg .b32 t, u, f, l, h;\n.reg .b16 a, b, c, d;\n"
+    "shl.b32 t, $2, 4;\nshl.b32 u, $2, 2;\nand.b32 u, u, 0x1C1C1C1C;\nand.b32 t, t, 0x80808080;\nor.b32 l, t, u;\n"
+    "shr.b32 t, $2, 2;\nand.b32 t, t, 0x1C1C1C1C;\nlop3.b32 h, $2, 0x80808080, t, 0xEA;\n"
+    "mov.b32 {a, b}, l;\n" + _half_ptx("a", "c") + _half_ptx("b", "d") + "mov.b32 $0, {c, d};\n"
+    "mov.b32 {a, b}, h;\n" + _half_ptx("a", "c") + _half_ptx("b", "d") + "mov.b32 $1, {c, d};\n}\n")
+
+
+def permute_k(x_mk):
+    """``x [M, K]`` -> its columns in the order of :func:`_dequantize_w4a8`'s tiles: within each
+    128-column chunk, element ``8 w + 2 b + s`` (code ``2 b + s`` of word ``w = 4 c + g`` of
+    thread column ``c``) goes to MMA column ``32 g + 16 s + 4 c + b``."""
+    m, k = x_mk.shape
+    return x_mk.reshape(m, k // BLOCK_K.value, 4, 4, 4, 2).transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
+
+
+@triton.jit
+def _dequantize_w4a8(words_rw, scales_rb, R: tl.constexpr):
+    """int32 ``[R, 16]`` packed words and uint8 ``[R, 8]`` E4M3 block scales of one 128-column
+    step -> float8e4nv ``[R, 128]``, ``code * scale * 2**-3``, columns in :func:`permute_k`'s order."""
+    s16 = scales_rb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 8.0
+    s32 = s16.to(tl.uint16, bitcast=True).to(tl.uint32)
+    s2_rb = s32 | (s32 << 16)  # f16x2 {s, s}
+    s2_rw = tl.reshape(tl.join(s2_rb, s2_rb), (R, BLOCK_K // 8))  # two words per block
+    words4 = tl.join(tl.join(words_rw, words_rw), tl.join(words_rw, words_rw))  # [r, w, i1, i0]
+    s4 = tl.join(tl.join(s2_rw, s2_rw), tl.join(s2_rw, s2_rw))
+    lo, hi = tl.inline_asm_elementwise(_WORD_TO_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r", [words4, s4],
+                                       dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    # lo[r, w, i1, i0] is byte b = i0 + 2 i1 of $0: code 2b; hi: code 2b + 1.
+    q = tl.reshape(tl.join(lo, hi), (R, 4, 4, 2, 2, 2))  # [r, c, g, i1, i0, s]
+    q = tl.reshape(tl.permute(q, (0, 2, 5, 1, 3, 4)), (R, BLOCK_K))  # [r, g, s, c, i1, i0]
+    return q.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, out_in_ptr, out_ptr,
+            K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr, MODE: tl.constexpr, NUM_TILES: tl.constexpr,
+            BLOCK_N: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One tile of up to 128 + 64 token rows of one expert x ``BLOCK_N`` output columns.
+    ``out_in_ptr`` is ``out_ptr``'s buffer (aliased: the harness poisons it), never read."""
+    t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
+    row_start = tl.load(tile_start_ptr + t)
+    row_end = tl.load(tile_end_ptr + t)
+    if row_start < row_end:
+        expert = tl.load(tile_expert_ptr + t).to(tl.int64)
+        rows = row_end - row_start
+        if rows <= 64:
+            _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K, N_OUT, N_W, FUSED, MODE, 64,
+                  0, BLOCK_N, NUM_STAGES)
+        elif rows <= 128:
+            _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K, N_OUT, N_W, FUSED, MODE, 128,
+                  0, BLOCK_N, NUM_STAGES)
+        else:
+            _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K, N_OUT, N_W, FUSED, MODE, 128,
+                  64, BLOCK_N, NUM_STAGES)
+
+
+@triton.jit
+def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr,
+          N_W: tl.constexpr, FUSED: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    first_row = row_start.to(tl.int64)
+    R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
+    r = tl.arange(0, R)
+    half_r = r // BLOCK_N
+    w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
+    if MODE == 2:
+        w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
+                + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
+        ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
+                 + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+    else:
+        w_at = w_ptr + expert * (N_W * K) + (w_row_r[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        ws_at = w_scale_ptr
+    local_m = tl.arange(0, BLOCK_M)
+    row_ok_m = row_start + local_m < row_end
+    x_at = x_ptr + first_row * K + (local_m[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    acc = tl.zeros((R, BLOCK_M), tl.float32)
+    if EXTRA_M > 0:
+        local_x = BLOCK_M + tl.arange(0, EXTRA_M)
+        row_ok_x = row_start + local_x < row_end
+        x2_at = x_ptr + first_row * K + (local_x[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+        acc2 = tl.zeros((R, EXTRA_M), tl.float32)
+    for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES):
+        x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
+        if MODE == 2:
+            w_rk = _dequantize_w4a8(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R)
+        else:
+            w_rk = tl.load(w_at + i * BLOCK_K)
+        acc = tl.dot(w_rk, tl.trans(x_mk), acc)
+        if EXTRA_M > 0:
+            x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
+            acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
+    _epilogue(acc, local_m, row_ok_m, first_row, j, out_ptr, N_OUT, FUSED, MODE, BLOCK_M, BLOCK_N)
+    if EXTRA_M > 0:
+        _epilogue(acc2, local_x, row_ok_x, first_row, j, out_ptr, N_OUT, FUSED, MODE, EXTRA_M, BLOCK_N)
+
+
+@triton.jit
+def _epilogue(acc, local_m, row_ok_m, first_row, j, out_ptr, N_OUT: tl.constexpr, FUSED: tl.constexpr,
+              MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if MODE == 2:
+        acc = acc * 8.0  # the 2**-3 the E4M3 weights were scaled by
+    if FUSED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = acc
+    cols_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_at = out_ptr + first_row * N_OUT + (local_m[None, :] * N_OUT + cols_n[:, None])
+    tl.store(out_at, y.to(tl.bfloat16), mask=row_ok_m[None, :])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProbeSpec:
+    """One launch (hashable: it keys the jit cache)."""
+
+    mode: Mode
+    op: Op
+    num_rows: int
+    num_experts: int
+    k: int
+    n_out: int
+    block_n: int = 64
+    num_warps: int = 8
+    #: None: 2 for bf16 (3 stages of 128 x 128 weights and 192 x 128 rows would need 240 KB), else 3.
+    stages: int | None = None
+    group_t: int = 8
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages or (2 if self.mode is Mode.BF16 else 3)
+
+    @property
+    def weight_rows(self) -> int:
+        return 2 * self.n_out if self.op is Op.GATE_UP_SWIGLU else self.n_out
+
+    @property
+    def max_tiles(self) -> int:
+        return pallas_triton.max_tiles(self.num_rows, self.num_experts, ROWS)
+
+    @property
+    def num_programs(self) -> int:
+        return self.max_tiles * (self.n_out // self.block_n)
+
+    def constexprs(self) -> dict:
+        return dict(K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, FUSED=self.op is Op.GATE_UP_SWIGLU,
+                    MODE=self.mode.value, NUM_TILES=self.max_tiles, BLOCK_N=self.block_n,
+                    GROUP_T=min(self.group_t, self.max_tiles), NUM_STAGES=self.num_stages)
+
+    def signature(self) -> dict[str, str]:
+        """Argument types for ``triton.compile`` (cross-compilation, no GPU)."""
+        x = "*bf16" if self.mode is Mode.BF16 else "*fp8e4nv"
+        w = {Mode.BF16: "*bf16", Mode.FP8: "*fp8e4nv", Mode.W4A8: "*u8"}[self.mode]
+        types = ["*i32", "*i32", "*i32", x, w, "*u8", "*bf16", "*bf16"]
+        return {**dict(zip(_kernel.arg_names, types, strict=False)), **dict.fromkeys(self.constexprs(), "constexpr")}
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def launch(spec: ProbeSpec, group_sizes_e, x_mk, w, w_scales_u8, out=None):
+    """bf16 ``[M, n_out]``. ``x_mk``: bf16 (BF16) or float8_e4m3fn ``[M, K]`` (W4A8: in
+    :func:`permute_k`'s column order); ``w``: bf16 or float8_e4m3fn ``[E, N_W, K]``, or (W4A8)
+    uint8 ``[E, N_W, K/2]`` packed codes with ``w_scales_u8`` uint8 ``[E, N_W, K/16]`` (E4M3 bits;
+    else any uint8 array); ``out``: None, or a bf16 buffer written into (aliased: rows past
+    ``sum(group_sizes_e)`` keep its values, else they are unspecified)."""
+    import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib)
+
+    schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS,
+                                            num_tiles=spec.max_tiles)
+    operands = (*schedule, x_mk, w, w_scales_u8, jnp.zeros((1,), jnp.bfloat16) if out is None else out)
+    return jax_triton.triton_call(
+        *operands, kernel=_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
+        grid=(spec.num_programs,), num_warps=spec.num_warps, num_stages=spec.num_stages,
+        name=f"fp8_probe_{spec.mode.name.lower()}",
+        input_output_aliases=None if out is None else {len(operands) - 1: 0}, **spec.constexprs())
+
+
+__all__ = ["BLOCK_K", "Mode", "ProbeSpec", "launch", "permute_k"]

@@ -1,0 +1,67 @@
+"""The W4A8 probe (``benchmarks/fp8_probe_kernel.py``) cross-compiles for SM90 (no GPU) to what it
+was written to be: in every mode and both projections, ``wgmma`` with the weight tile as its A
+operand (bf16 ``k16`` or E4M3 ``k32``; W4A8's from registers), no register spills, shared memory within the
+SM's; and the W4A8 K loop dequantizes in registers, with no shared-memory round trip of the
+dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+from benchmarks import fp8_probe_kernel as fk  # noqa: E402
+from pallas_kernels import crosscompile  # noqa: E402
+from pallas_kernels.grouped_matmul import crosscompile as grouped_crosscompile  # noqa: E402
+from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op, Variant  # noqa: E402
+
+SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
+
+
+def _compile(mode: fk.Mode, op: Op, with_sass: bool = False):
+    k, n_out = SHAPES[op]
+    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out)
+    return crosscompile.compile_jit(fk._kernel, signature=spec.signature(), constexprs=spec.constexprs(),
+                                    capability=90, num_warps=spec.num_warps, num_stages=spec.num_stages,
+                                    name=f"fp8_probe_{mode.name.lower()}_{op.value}", with_sass=with_sass)
+
+
+def k_loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each backward-branching loop of ``sass`` that issues an MMA."""
+    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
+    loops = []
+    for address, text in ins:
+        target = re.search(r"\bBRA(?:\.\w+)*\s+(0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            body = [t for a, t in ins if int(target.group(1), 16) <= a <= address]
+            counts = collections.Counter(re.sub(r"^@!?U?P[T\d]+\s+", "", t).split()[0].split(".")[0] for t in body)
+            if counts["HGMMA"] or counts["QGMMA"]:
+                counts["total"] = len(body)
+                loops.append(counts)
+    return loops
+
+
+@pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
+@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
+def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, op):
+    """bf16 and E4M3 weights from memory reach the MMA from shared memory (a descriptor), as
+    the bf16 table tile's do; the W4A8 weights as the register operand they were built in."""
+    kernel = _compile(mode, op)
+    shape = r"k16\.f32\.bf16\.bf16" if mode is fk.Mode.BF16 else r"k32\.f32\.e4m3\.e4m3"
+    a_operand = r"\{" if mode is fk.Mode.W4A8 else r"%rd\d+"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+{shape} \{{[^}}]*\}}, {a_operand}", kernel.ptx)
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_w4a8_dequantizes_in_registers_in_fewer_instructions_than_w4a16():
+    """The 128 + 64-row path's K loop (the one with the most MMAs): E4M3 codes built in the MMA's
+    register order (no STS), and fewer SASS instructions a K step than the W4A16 table tile's
+    (the same 128 weight rows x 128 columns), whose MMAs are twice as many."""
+    w4a8 = max(k_loops(_compile(fk.Mode.W4A8, Op.GATE_UP_SWIGLU, with_sass=True).sass), key=lambda c: c["QGMMA"])
+    _, table = grouped_crosscompile.compile_native(90, (Variant.PREFILL, Op.GATE_UP_SWIGLU), experts=384,
+                                                   with_sass=True)
+    w4a16 = max(k_loops(table.sass), key=lambda c: c["HGMMA"])
+    assert w4a8["STS"] == 0 and w4a8["QGMMA"] * 2 == w4a16["HGMMA"], (w4a8, w4a16)
+    assert w4a8["total"] < w4a16["total"], (w4a8["total"], w4a16["total"])

@@ -51,6 +51,16 @@ def random_problem(rng, op: Op, group_sizes, *, k: int, n_out: int, scale_groups
     return group_sizes, *random_weights(rng, experts or len(group_sizes), n_w, k, scale_groups, used)
 
 
+def expert(op: Op, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
+    """float64 ``[M, n_out]``: one expert's rows times its dense weights ``[N_W, K]``, with SwiGLU
+    for the fused gate/up op (gate rows, then up rows)."""
+    h = x_mk @ w_nk.T
+    if op is Op.MATMUL:
+        return h
+    gate, up = np.split(h, 2, axis=-1)
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
 def reference(op: Op, a_mk, packed, scales, global_scale, group_sizes) -> np.ndarray:
     """float64 ``[sum(group_sizes), n_out]``."""
     rows = []

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import interpreted
-from nvfp4_float64 import compare
+from nvfp4_float64 import compare, expert
 from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op, prefill_tile
 
@@ -25,14 +25,6 @@ CC = 90
 
 def _bf16(rng, shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
-
-
-def _expert(op: Op, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
-    h = x_mk @ w_nk.T
-    if op is Op.MATMUL:
-        return h
-    gate, up = np.split(h, 2, axis=-1)
-    return gate / (1.0 + np.exp(-gate)) * up
 
 
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: bool = False, experts=None,
@@ -72,7 +64,7 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
     got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
     starts = np.concatenate([[0], np.cumsum(group_sizes)])
-    want = np.concatenate([_expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e].astype(np.float64))
+    want = np.concatenate([expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e].astype(np.float64))
                            for e in range(experts)])
     return compare(got, want, total, spec.tile)
 

@@ -15,7 +15,7 @@ import pytest
 
 import interpreted
 from benchmarks import fp8_probe_kernel as fk
-from nvfp4_float64 import compare, e2m1, e4m3, random_weights
+from nvfp4_float64 import compare, e2m1, e4m3, expert, random_weights
 from pallas_kernels.grouped_matmul.tuning import Op
 
 
@@ -23,14 +23,6 @@ def _e4m3_round(values: np.ndarray) -> np.ndarray:
     """float64 -> the nearest E4M3 value (ties to even), as float64; within +-448 here."""
     assert np.abs(values).max() <= 448
     return values.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-
-
-def _expert(op: Op, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
-    h = x_mk @ w_nk.T
-    if op is Op.MATMUL:
-        return h
-    gate, up = np.split(h, 2, axis=-1)
-    return gate / (1.0 + np.exp(-gate)) * up
 
 
 def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts=None, padding: int = 3,
@@ -69,7 +61,7 @@ def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
     got = interpreted.launch(fk._kernel, spec.num_programs, buffers, out, spec.constexprs())
     starts = np.concatenate([[0], np.cumsum(group_sizes)])
-    want = np.concatenate([_expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e])
+    want = np.concatenate([expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e])
                            for e in range(experts) if group_sizes[e]])
     return compare(got, want, total, spec)
 

@@ -155,7 +155,12 @@ def top_k_ids(choice_te: jax.Array, k: int) -> jax.Array:
     entry is chosen and the choice is exactly the unpadded one. NaN is mapped to +inf first,
     because that kernel compares with ``>`` (NaN would fall anywhere, padding included).
     """
+    if getattr(choice_te, "ndim", None) != 2 or not jnp.issubdtype(choice_te.dtype, jnp.floating):
+        found = f"{choice_te.dtype}{list(choice_te.shape)}" if hasattr(choice_te, "shape") else type(choice_te).__name__
+        raise ValueError(f"choice_te: {found}, expected a floating [T, E] array")
     _, e = choice_te.shape
+    if type(k) is not int or not 1 <= k <= e:
+        raise ValueError(f"k: {k!r}, expected an int in [1, E = {e}]")
     choice_te = jnp.where(jnp.isnan(choice_te), jnp.inf, choice_te)
     if TOPK_PAD_MIN_EXPERTS <= e < TOPK_KERNEL_MIN_WIDTH and k <= TOPK_KERNEL_MAX_K:
         choice_te = jnp.pad(choice_te, ((0, 0), (0, TOPK_KERNEL_MIN_WIDTH - e)), constant_values=-jnp.inf)

@@ -316,6 +316,17 @@ def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k):
     assert ((ids >= 0) & (ids < width)).all()
 
 
+@pytest.mark.parametrize(("values", "k", "message"), [
+    (np.zeros((4, 8), np.int32), 2, r"choice_te: int32\[4, 8\], expected a floating \[T, E\]"),
+    (np.zeros((8,), np.float32), 2, r"choice_te: float32\[8\], expected a floating \[T, E\]"),
+    (np.zeros((4, 8), np.float32), 9, r"k: 9, expected an int in \[1, E = 8\]"),
+    (np.zeros((4, 8), np.float32), 0, r"k: 0, expected an int in \[1, E = 8\]"),
+])
+def test_top_k_ids_names_a_bad_argument(values, k, message):
+    with pytest.raises(ValueError, match=message):
+        router.top_k_ids(jnp.asarray(values), k)
+
+
 @pytest.mark.gpu
 def test_kimi_size_top_k_runs_as_xlas_topk_kernel_with_the_sorts_choice(rng):
     """At Kimi K2's [8192, 384] the padded rows reach XLA's ``__gpu$TopK`` (no sort in the

@@ -12,7 +12,7 @@ Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with 
   memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate
   with nothing dequantized, the second the ceiling of a W4A8 kernel on it;
 * ``probe w4a8``: the NVFP4 weights placed into E4M3 in registers, E4M3 rows (in the probe's
-  column order).
+  column order); ``probe w4a8 s4`` with 4 pipeline stages instead of 3 (126 KB of shared memory).
 
 Each kernel writes into a NaN-poisoned buffer; recorded: NaN rows among the defined ones, the
 relative error of sampled rows (experts 0, 1, 191, 383) against float64 of the values that kernel
@@ -37,7 +37,7 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a8")
+KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a8", "probe w4a8 s4")
 
 
 def left(budget: float) -> float:
@@ -169,9 +169,9 @@ def main() -> None:
                             return triton_lang.bf16_matmul(op, x, w_bf16, group_sizes, compute_capability=90, out=out)
                         want = want_bf16
                     else:
-                        mode = {"probe bf16": fk.Mode.BF16, "probe fp8": fk.Mode.FP8, "probe w4a8": fk.Mode.W4A8}[label]
+                        mode = fk.Mode[label.split()[1].upper()]
                         spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
-                                            block_n=block_n)
+                                            block_n=block_n, stages=4 if label.endswith(" s4") else None)
                         unread = scales_u8[:1, :1, :1]
                         weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
                                    fk.Mode.W4A8: (w.packed, scales_u8)}[mode]
@@ -188,7 +188,7 @@ def main() -> None:
                     row = dict(nan_rows=nan_rows, sampled_rel_err_f64=sampled_err(y, want))
                     if label == "probe fp8":
                         probe_fp8_out = y
-                    if label == "probe w4a8" and probe_fp8_out is not None and op is Op.MATMUL:
+                    if label.startswith("probe w4a8") and probe_fp8_out is not None and op is Op.MATMUL:
                         d = y.astype(jnp.float32) - 8 * probe_fp8_out.astype(jnp.float32)
                         row["rel_vs_8x_probe_fp8"] = float(jnp.linalg.norm(d) / jnp.linalg.norm(y.astype(jnp.float32)))
                     del y

@@ -20,9 +20,9 @@ from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op, Varian
 SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
 
 
-def _compile(mode: fk.Mode, op: Op, with_sass: bool = False):
+def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None):
     k, n_out = SHAPES[op]
-    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out)
+    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, stages=stages)
     return crosscompile.compile_jit(fk._kernel, signature=spec.signature(), constexprs=spec.constexprs(),
                                     capability=90, num_warps=spec.num_warps, num_stages=spec.num_stages,
                                     name=f"fp8_probe_{mode.name.lower()}_{op.value}", with_sass=with_sass)
@@ -52,6 +52,11 @@ def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, o
     shape = r"k16\.f32\.bf16\.bf16" if mode is fk.Mode.BF16 else r"k32\.f32\.e4m3\.e4m3"
     a_operand = r"\{" if mode is fk.Mode.W4A8 else r"%rd\d+"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+{shape} \{{[^}}]*\}}, {a_operand}", kernel.ptx)
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_the_harness_s_four_stage_w4a8_variant_fits():
+    kernel = _compile(fk.Mode.W4A8, Op.GATE_UP_SWIGLU, stages=4)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
 
 

@@ -11,6 +11,9 @@ Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with 
 * ``probe bf16`` / ``probe fp8``: ``fp8_probe_kernel`` with bf16, or E4M3, weights and rows from
   memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate
   with nothing dequantized, the second the ceiling of a W4A8 kernel on it;
+* ``probe w4a16``: the NVFP4 weights dequantized to bf16 in registers by ``triton_lang``'s own code: the
+  table kernel's inner loop in the probe's skeleton, the baseline ``probe w4a8`` differs from only
+  in its dequantization and MMA;
 * ``probe w4a8``: the NVFP4 weights placed into E4M3 in registers, E4M3 rows (in the probe's
   column order); ``probe w4a8 s4`` with 4 pipeline stages instead of 3 (126 KB of shared memory).
 
@@ -37,7 +40,7 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a8", "probe w4a8 s4")
+KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
 
 
 def left(budget: float) -> float:
@@ -174,13 +177,17 @@ def main() -> None:
                                             block_n=block_n, stages=4 if label.endswith(" s4") else None)
                         unread = scales_u8[:1, :1, :1]
                         weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
-                                   fk.Mode.W4A8: (w.packed, scales_u8)}[mode]
-                        inputs = {fk.Mode.BF16: xs, fk.Mode.FP8: xs_fp8,
-                                  fk.Mode.W4A8: [jax.jit(fk.permute_k)(x) for x in xs_fp8]}[mode]
+                                   fk.Mode.W4A8: (w.packed, scales_u8), fk.Mode.W4A16: (w.packed, scales_u8)}[mode]
+                        if mode is fk.Mode.W4A16:
+                            inputs = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, fk.BLOCK_K.value) for x in xs]
+                        else:
+                            inputs = {fk.Mode.BF16: xs, fk.Mode.FP8: xs_fp8,
+                                      fk.Mode.W4A8: [jax.jit(fk.permute_k)(x) for x in xs_fp8]}[mode]
 
                         def fn(x, out=None, spec=spec, weights=weights):
                             return fk.launch(spec, group_sizes, x, *weights, out)
-                        want = {fk.Mode.BF16: want_bf16, fk.Mode.FP8: want_fp8, fk.Mode.W4A8: want_fp8 * 8}[mode]
+                        want = {fk.Mode.BF16: want_bf16, fk.Mode.FP8: want_fp8, fk.Mode.W4A8: want_fp8 * 8,
+                                fk.Mode.W4A16: want_bf16}[mode]
                         if mode is fk.Mode.W4A8 and op is Op.GATE_UP_SWIGLU:
                             want = exact(xs_fp8[0], w_fp8, scale=8.0)
                     y = jax.block_until_ready(fn(inputs[0], out=poison.copy()))

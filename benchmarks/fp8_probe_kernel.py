@@ -3,13 +3,16 @@
 A probe beside its benchmark (``benchmarks/fp8_probe.py``), outside the library; nothing
 dispatches to it. One kernel with ``triton_lang``'s prefill schedule (swap-AB: the weight tile is
 the MMA's M operand, 64 + 64 weight rows per warp group pair, token rows on N in tiles of 64, 128
-or 128 + 64 of one expert, ``pallas_triton.tile_schedule``), in three modes that differ only in
+or 128 + 64 of one expert, ``pallas_triton.tile_schedule``), in four modes that differ only in
 what the MMA multiplies:
 
 * ``BF16``: bf16 weights ``[E, N_W, K]`` and bf16 rows from memory (both ``wgmma`` operands in
   shared memory): the same schedule's bf16 rate;
 * ``FP8``: E4M3 weights and E4M3 rows from memory: the FP8 tensor cores' rate on this schedule
   with nothing dequantized, the ceiling of any W4A8 kernel built on it;
+* ``W4A16``: NVFP4 weights as stored, dequantized to bf16 by ``triton_lang``'s own code (the
+  table kernel's inner loop in this skeleton: the baseline the W4A8 mode differs from only in its
+  dequantization and MMA), bf16 rows in ``triton_lang.permute_k``'s order for block_k 128;
 * ``W4A8``: NVFP4 weights as stored (ModelOpt's packed codes, E4M3 block scales), each word of 8
   codes placed into E4M3 and scaled in registers by :data:`_WORD_TO_E4M3_PTX`, E4M3 rows; the
   register operand of ``wgmma ... k32 .e4m3``. The rows' columns are in :func:`permute_k`'s order.
@@ -36,7 +39,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.grouped_matmul import pallas_triton
-from pallas_kernels.grouped_matmul.triton_lang import _epilogue, _program_tile
+from pallas_kernels.grouped_matmul.triton_lang import _dequantize_w4a16, _epilogue, _program_tile
 from pallas_kernels.grouped_matmul.tuning import Op
 
 
@@ -44,6 +47,7 @@ class Mode(enum.Enum):
     BF16 = 0
     FP8 = 1
     W4A8 = 2
+    W4A16 = 3
 
 
 #: Columns per K step: a thread's 4 words of codes per row are one 16-byte load.
@@ -99,8 +103,8 @@ def _dequantize_w4a8(words_rw, scales_rb, R: tl.constexpr):
 
 @triton.jit
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, out_in_ptr, out_ptr,
-            K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr, MODE: tl.constexpr, NUM_TILES: tl.constexpr,
-            BLOCK_N: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
+            K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr, MODE: tl.constexpr,
+            NUM_TILES: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One tile of up to 128 + 64 token rows of one expert x ``BLOCK_N`` output columns.
     ``out_in_ptr`` is ``out_ptr``'s buffer (aliased: the harness poisons it), never read."""
     t, j = _program_tile(NUM_TILES, N_OUT // BLOCK_N, GROUP_T)
@@ -129,7 +133,7 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
     r = tl.arange(0, R)
     half_r = r // BLOCK_N
     w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-    if MODE == 2:
+    if MODE >= 2:  # packed NVFP4 words and their E4M3 block scales
         w_at = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
                 + (w_row_r[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]))
         ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
@@ -150,6 +154,9 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
         x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
         if MODE == 2:
             w_rk = _dequantize_w4a8(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R)
+        elif MODE == 3:  # triton_lang's W4A16 dequantization: value * scale * 2**-7 in bf16
+            w_rk = _dequantize_w4a16(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R,
+                                     BLOCK_K)
         else:
             w_rk = tl.load(w_at + i * BLOCK_K)
         acc = tl.dot(w_rk, tl.trans(x_mk), acc)
@@ -157,8 +164,8 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
             x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
             acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
     # triton_lang's epilogue as its bf16 mode runs it (no global scales: the pointers are not
-    # read), after the 2**3 the E4M3 weights were scaled down by.
-    factor: tl.constexpr = 8.0 if MODE == 2 else 1.0
+    # read), after the 2**3 the E4M3 weights were scaled down by (W4A16's operand: 2**7).
+    factor: tl.constexpr = 8.0 if MODE == 2 else 128.0 if MODE == 3 else 1.0
     _epilogue(acc * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 1,
               FUSED, False, True, BLOCK_M, BLOCK_N, 0)
     if EXTRA_M > 0:
@@ -205,19 +212,20 @@ class ProbeSpec:
 
     def signature(self) -> dict[str, str]:
         """Argument types for ``triton.compile`` (cross-compilation, no GPU)."""
-        x = "*bf16" if self.mode is Mode.BF16 else "*fp8e4nv"
-        w = {Mode.BF16: "*bf16", Mode.FP8: "*fp8e4nv", Mode.W4A8: "*u8"}[self.mode]
+        x = "*bf16" if self.mode in (Mode.BF16, Mode.W4A16) else "*fp8e4nv"
+        w = {Mode.BF16: "*bf16", Mode.FP8: "*fp8e4nv", Mode.W4A8: "*u8", Mode.W4A16: "*u8"}[self.mode]
         types = ["*i32", "*i32", "*i32", x, w, "*u8", "*bf16", "*bf16"]
         return {**dict(zip(_kernel.arg_names, types, strict=False)), **dict.fromkeys(self.constexprs(), "constexpr")}
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def launch(spec: ProbeSpec, group_sizes_e, x_mk, w, w_scales_u8, out=None):
-    """bf16 ``[M, n_out]``. ``x_mk``: bf16 (BF16) or float8_e4m3fn ``[M, K]`` (W4A8: in
-    :func:`permute_k`'s column order); ``w``: bf16 or float8_e4m3fn ``[E, N_W, K]``, or (W4A8)
-    uint8 ``[E, N_W, K/2]`` packed codes with ``w_scales_u8`` uint8 ``[E, N_W, K/16]`` (E4M3 bits;
-    else any uint8 array); ``out``: None, or a bf16 buffer written into (aliased: rows past
-    ``sum(group_sizes_e)`` keep its values, else they are unspecified)."""
+    """bf16 ``[M, n_out]``. ``x_mk``: bf16 (BF16; W4A16 in ``triton_lang.permute_k``'s column order
+    for block_k 128) or float8_e4m3fn ``[M, K]`` (W4A8: in :func:`permute_k`'s column order).
+    ``w``: bf16 or float8_e4m3fn ``[E, N_W, K]``, or (W4A8, W4A16) uint8 ``[E, N_W, K/2]`` packed
+    codes with ``w_scales_u8`` uint8 ``[E, N_W, K/16]`` (E4M3 bits; else any uint8 array).
+    ``out``: None, or a bf16 buffer written into (aliased: rows past ``sum(group_sizes_e)`` keep
+    its values, else they are unspecified)."""
     import jax_triton  # noqa: PLC0415 (needs a GPU jaxlib)
 
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS,

@@ -1,6 +1,6 @@
 """The W4A8 probe (``benchmarks/fp8_probe_kernel.py``) cross-compiles for SM90 (no GPU) to what it
 was written to be: in every mode and both projections, ``wgmma`` with the weight tile as its A
-operand (bf16 ``k16`` or E4M3 ``k32``; W4A8's from registers), no register spills, shared memory within the
+operand (bf16 ``k16`` or E4M3 ``k32``; W4A16's and W4A8's from registers), no register spills, shared memory within the
 SM's; and the W4A8 K loop dequantizes in registers, with no shared-memory round trip of the
 dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's."""
 
@@ -47,10 +47,10 @@ def k_loops(sass: str) -> list[collections.Counter]:
 @pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
 def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, op):
     """bf16 and E4M3 weights from memory reach the MMA from shared memory (a descriptor), as
-    the bf16 table tile's do; the W4A8 weights as the register operand they were built in."""
+    the bf16 table tile's do; dequantized weights as the register operand they were built in."""
     kernel = _compile(mode, op)
-    shape = r"k16\.f32\.bf16\.bf16" if mode is fk.Mode.BF16 else r"k32\.f32\.e4m3\.e4m3"
-    a_operand = r"\{" if mode is fk.Mode.W4A8 else r"%rd\d+"
+    shape = r"k16\.f32\.bf16\.bf16" if mode in (fk.Mode.BF16, fk.Mode.W4A16) else r"k32\.f32\.e4m3\.e4m3"
+    a_operand = r"\{" if mode in (fk.Mode.W4A8, fk.Mode.W4A16) else r"%rd\d+"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+{shape} \{{[^}}]*\}}, {a_operand}", kernel.ptx)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
 

@@ -1,7 +1,8 @@
 """The W4A8 probe (``benchmarks/fp8_probe_kernel.py``), executed in Triton's interpreter on CPU: its
-three modes (bf16 and E4M3 weights from memory, NVFP4 weights placed into E4M3 in registers by
-inline PTX, which ``ptx_emulator`` evaluates) on the real tile schedule, NaN-poisoned outputs whose
-padding rows must stay NaN, every load and store bounds-checked, against float64.
+four modes (bf16 and E4M3 weights from memory, NVFP4 weights dequantized to bf16 by the table
+kernel's code or placed into E4M3 by the probe's, both inline PTX that ``ptx_emulator``
+evaluates) on the real tile schedule, NaN-poisoned outputs whose padding rows must stay NaN,
+every load and store bounds-checked, against float64.
 
 The probe is not the library's kernel; this keeps what the next GPU call times honest: a wrong
 permutation or a misplaced code would show here as a large error, not as a fast number.
@@ -16,6 +17,7 @@ import pytest
 import interpreted
 from benchmarks import fp8_probe_kernel as fk
 from nvfp4_float64 import compare, e2m1, e4m3, expert, random_weights
+from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op
 
 
@@ -37,7 +39,15 @@ def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts
     total = int(group_sizes.sum())
     m = total + padding
     scales = np.zeros(1, np.uint8)
-    if mode is fk.Mode.W4A8:
+    if mode is fk.Mode.W4A16:  # the table kernel's dequantization: code * scale exactly, bf16 rows
+        packed, scales, _ = random_weights(rng, experts, n_w, k, 1, used)
+        w_stored = packed
+        w_enk = np.zeros((experts, n_w, k))
+        for e in used:
+            w_enk[e] = e2m1(packed[e]) * np.repeat(e4m3(scales[e]), 16, axis=-1)
+        x = (rng.standard_normal((m, k)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
+        x_in = np.asarray(triton_lang.permute_k(x, fk.BLOCK_K.value))
+    elif mode is fk.Mode.W4A8:
         packed, scales, _ = random_weights(rng, experts, n_w, k, 1, used)
         w_stored = packed
         # What the MMA multiplies: code * scale * 2**-3 rounded to E4M3, times the epilogue's 2**3.
@@ -57,7 +67,7 @@ def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, fk.ROWS, spec.max_tiles)
     buffers += [interpreted.buffer(x_in, "x"), interpreted.buffer(w_stored, "w"),
-                interpreted.buffer(scales, "w.scales" if mode is fk.Mode.W4A8 else "w.scales (unread)"),
+                interpreted.buffer(scales, "w.scales" if scales.size > 1 else "w.scales (unread)"),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
     got = interpreted.launch(fk._kernel, spec.num_programs, buffers, out, spec.constexprs())
     starts = np.concatenate([[0], np.cumsum(group_sizes)])

@@ -1,7 +1,7 @@
 """One-GPU-call probe: what Hopper's FP8 tensor cores would give the routed grouped GEMMs (W4A8),
 against the W4A16 table kernel and the dense cuBLAS anchor, at Kimi K2's prefill sizes.
 
-Per shape (rows over 384 experts, uniform routing; gate/up K 7168 N 2x2048 with SwiGLU, down K
+Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; gate/up K 7168 N 2x2048 with SwiGLU, down K
 2048 N 7168), from one set of random NVFP4 weights (``gluon_probe.nvfp4_weights``, global scales
 1) and one set of bf16 rows:
 
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--block-n-down", type=int, default=128, help="the probe's output columns per tile for down")
+    ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
+                    help="irregular: gluon_probe's experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile "
+                         "path and its edges), the remainder on the last expert")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows_out: list[dict] = []
@@ -71,7 +74,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from benchmarks import fp8_probe_kernel as fk
-    from benchmarks.gluon_probe import nvfp4_weights
+    from benchmarks.gluon_probe import irregular_sizes, nvfp4_weights
     from pallas_kernels.grouped_matmul import triton_lang
     from pallas_kernels.grouped_matmul.tuning import Op
 
@@ -102,11 +105,16 @@ def main() -> None:
                 record(shape=shape, rows=m, kernel="-", error="skipped: budget")
                 continue
             flops = 2.0 * m * k * n_w
-            sizes = np.full(E, m // E, np.int32)
-            sizes[: m - sizes.sum()] += 1
+            if args.routing == "uniform":
+                sizes = np.full(E, m // E, np.int32)
+                sizes[: m - sizes.sum()] += 1
+                picks = ((0, 0), (1, 5), (E // 2 - 1, 3), (E - 1, sizes[-1] - 1))
+            else:  # the last row of each kind of tile and of the largest expert (the highest id)
+                sizes = irregular_sizes(m)
+                picks = [(e, int(sizes[e]) - 1) for e in (1, 3, 4, 6, 7, 10, 11, E - 1) if sizes[e]]
             group_sizes = jnp.asarray(sizes)
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            samples = [(e, int(starts[e] + o)) for e, o in ((0, 0), (1, 5), (E // 2 - 1, 3), (E - 1, sizes[-1] - 1))]
+            samples = [(e, int(starts[e] + o)) for e, o in picks]
             xs = [jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.bfloat16) for i in range(3)]
             xs_fp8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
             poison = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)

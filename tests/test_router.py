@@ -300,7 +300,8 @@ def stable_top_k_np(values, k):
 
 @pytest.mark.parametrize(("width", "k"), [(width, k) for width in (8, 255, 256, 384, 1023, 1024, 1500)
                                           for k in (1, 8, 16, 17) if k <= width])
-def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k):
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
+def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k, pad):
     """Rows padded for XLA's GPU TopK kernel (256 <= E < 1024, k <= 16) and rows that are not
     choose the same ids in the same order as a stable float64 sort: ties (a few levels), -inf and
     +inf entries, a row of -inf only, and NaN (as +inf) included."""
@@ -310,7 +311,7 @@ def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k):
     values[3, 5] = np.inf
     values[4, [7, 2]] = np.nan
     values[5, -1] = np.inf  # the last real column beats every padding entry
-    ids = np.asarray(router.top_k_ids(jnp.asarray(values), k))
+    ids = np.asarray(router.top_k_ids(jnp.asarray(values), k, pad=pad))
     assert ids.dtype == np.int32 and ids.shape == (40, k)
     np.testing.assert_array_equal(ids, stable_top_k_np(values, k))
     assert ((ids >= 0) & (ids < width)).all()
@@ -329,8 +330,8 @@ def test_top_k_ids_names_a_bad_argument(values, k, message):
 
 @pytest.mark.gpu
 def test_kimi_size_top_k_runs_as_xlas_topk_kernel_with_the_sorts_choice(rng):
-    """At Kimi K2's [8192, 384] the padded rows reach XLA's ``__gpu$TopK`` (no sort in the
-    compiled program), and its choice is the sort's: the unpadded ``jax.lax.top_k`` on the same
+    """At Kimi K2's [8192, 384] the rows are padded by default on a GPU and reach XLA's
+    ``__gpu$TopK`` (no sort in the compiled program), and its choice is the sort's: the unpadded ``jax.lax.top_k`` on the same
     GPU, and the stable float64 order, with exact ties and -inf entries."""
     values = rng.integers(0, 50, (8192, 384)).astype(np.float32) / 49
     values[::97, ::5] = -np.inf

@@ -76,13 +76,17 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
                BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
                T_SCALES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr, X_SMEM: gl.constexpr,
-               PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr):
+               PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr, X2_IN_X: gl.constexpr):
     """One ring and three partitions per program; each partition walks the same work items
     (``program_id``, then every ``num_programs``-th: one item when the grid has one program per
     item, persistent when it has one per SM), so the producer loads the next tile while the
     consumers finish the last one."""
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 128, BLOCK_K], X_SMEM)
-    x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, BLOCK_K], X_SMEM)
+    if X2_IN_X:  # the extra 64 rows as rows 128..191 of a 256-row stage (WsSpec.x2_in_x, _extra_rows)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 256, BLOCK_K], X_SMEM)
+        x2_smem = x_smem
+    else:
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 128, BLOCK_K], X_SMEM)
+        x2_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, BLOCK_K], X_SMEM)
     if WEIGHTS == BF16:  # the weight tile as stored, swizzled for wgmma; no scales
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 2 * WG_ROWS, BLOCK_K], X_SMEM)
         s_smem = gl.allocate_shared_memory(gl.uint8, [1, 16], PLAIN_SMEM)
@@ -107,14 +111,24 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
     gl.warp_specialize([
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
                      tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
-                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 0)),
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 0, X2_IN_X)),
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
                      tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
-                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 1)),
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 1, X2_IN_X)),
         (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                      x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, WEIGHTS, NUM_TILES,
-                     BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY)),
+                     BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _extra_rows(x_smem, x2_smem, stage, X2_IN_X: gl.constexpr):
+    """Stage ``stage``'s 64 extra token rows of a 192-row tile: rows 128..191 of the token ring's
+    stage (``WsSpec.x2_in_x``), or the stage of their own ring."""
+    if X2_IN_X:
+        return x_smem.index(stage).slice(128, 64, dim=0)
+    else:
+        return x2_smem.index(stage)
 
 
 @gluon.jit
@@ -153,7 +167,7 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
               w_ptr, w_scale_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr,
               N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr,
               NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-              W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+              W_COPY: gl.constexpr, S_COPY: gl.constexpr, X2_IN_X: gl.constexpr):
     # Token tiles of 64 rows (the 64-row tile and the extra 64 of a 192-row one) and of 128.
     x64_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1], block_shape=[64, BLOCK_K],
                                           layout=x2_smem.type.layout)
@@ -183,22 +197,22 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
             if rows <= 64:
                 it = _produce_tile(x64_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
                                    row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 64, 0,
-                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)
             elif rows <= 128:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
                                    row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 0,
-                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)
             else:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
                                    row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 64,
-                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY)
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)
 
 
 @gluon.jit
 def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it, row_start, expert, j,
                   w_ptr, w_scale_ptr, K: gl.constexpr, N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr,
                   WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr, X2_IN_X: gl.constexpr):
     """Every K step of one tile into the ring from position ``it``; returns the position after."""
     TMA_WEIGHTS: gl.constexpr = WEIGHTS == BF16 or WEIGHTS == BF16_T
     W_BYTES: gl.constexpr = 2 * WG_ROWS * BLOCK_K * 2 if TMA_WEIGHTS else 0  # the weights' TMA bytes
@@ -228,7 +242,8 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
         tma.async_copy_global_to_shared(x_desc, [row_start, i * BLOCK_K], bar,
                                         x_smem.index(stage).slice(0, BLOCK_M, dim=0))
         if EXTRA_M > 0:
-            tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar, x2_smem.index(stage))
+            tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar,
+                                            _extra_rows(x_smem, x2_smem, stage, X2_IN_X))
         if WEIGHTS == BF16_T:
             for wg in gl.static_range(2):
                 tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * K + i * BLOCK_K,
@@ -281,7 +296,7 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_
               w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
               WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
               NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
-              T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
+              T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr, X2_IN_X: gl.constexpr):
     it = 0  # K steps consumed so far: the ring's position
     for item in range(gl.program_id(0), _num_items(N_OUT, FUSED, NUM_TILES), gl.num_programs(0)):
         expert, row_start, row_end, j = _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT, FUSED,
@@ -291,15 +306,15 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_
             if rows <= 64:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
                                    expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 64, 0, BLOCK_K,
-                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG, X2_IN_X)
             elif rows <= 128:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
                                    expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 0, BLOCK_K,
-                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG, X2_IN_X)
             else:
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
                                    expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 64, BLOCK_K,
-                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG)
+                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG, X2_IN_X)
 
 
 @gluon.jit
@@ -307,7 +322,7 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_
                   w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
                   WEIGHTS: gl.constexpr, BLOCK_M: gl.constexpr, EXTRA_M: gl.constexpr, BLOCK_K: gl.constexpr,
                   NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
-                  T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr):
+                  T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr, X2_IN_X: gl.constexpr):
     """Token rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x this
     consumer's 64 weight rows of output tile ``j``, from ring position ``it``; the ``EXTRA_M``
     rows (if any) are a second MMA against the same weight operand (shapes are powers of two).
@@ -354,7 +369,8 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_
             else:
                 a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2),
                                        assert_trivial=True)
-            acc2 = warpgroup_mma(a2, x2_smem.index(stage).permute((1, 0)), acc2, is_async=True)
+            acc2 = warpgroup_mma(a2, _extra_rows(x_smem, x2_smem, stage, X2_IN_X).permute((1, 0)), acc2,
+                                 is_async=True)
             acc, acc2, a_prev = warpgroup_mma_wait(2, deps=[acc, acc2, a_prev])
         else:
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
@@ -459,6 +475,11 @@ class WsSpec(_Spec):
     #: Programs to launch: 0 for one per work item (tile x output columns), else a persistent grid
     #: of this many (the H200's 132 SMs: one program each), every program walking its items.
     persistent: int = 0
+    #: The extra 64 token rows of a 192-row tile in rows 128..191 of a 256-row stage of the token
+    #: ring, as the 64-row tiles (correct on the H200) use rows 0..63 of the 128-row one, instead of
+    #: a ring of their own (whose rows the H200 run of b2fdced left NaN at block_k 64; the cause is
+    #: not found): one experiment, 8 KB more shared memory a stage at block_k 64.
+    x2_in_x: bool = False
     kernel = _ws_kernel
 
     @property
@@ -492,7 +513,7 @@ class WsSpec(_Spec):
 
     def constexprs(self) -> dict:
         return dict(super().constexprs(), NUM_ROWS=self.num_rows, NUM_EXPERTS=self.num_experts, WEIGHTS=self.weights,
-                    CONSUMER_REGS=self.consumer_regs, PRODUCER_REGS=self.producer_regs,
+                    CONSUMER_REGS=self.consumer_regs, PRODUCER_REGS=self.producer_regs, X2_IN_X=self.x2_in_x,
                     **ws_layouts(block_k=self.block_k, fused=self.fused))
 
 

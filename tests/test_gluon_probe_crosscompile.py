@@ -47,10 +47,13 @@ def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
 
 
 # Each op, weight format and grid once, in four compilations rather than eight.
-@pytest.mark.parametrize(("op", "bf16", "persistent"), [(Op.GATE_UP_SWIGLU, False, 0), (Op.MATMUL, False, 132),
-                                                        (Op.GATE_UP_SWIGLU, True, 132), (Op.MATMUL, True, 0)],
-                         ids=["gate_up-nvfp4", "matmul-nvfp4-persistent", "gate_up-bf16-persistent", "matmul-bf16"])
-def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persistent):
+@pytest.mark.parametrize(("op", "bf16", "persistent", "x2_in_x"),
+                         [(Op.GATE_UP_SWIGLU, False, 0, False), (Op.MATMUL, False, 132, False),
+                          (Op.GATE_UP_SWIGLU, True, 132, False), (Op.MATMUL, True, 0, False),
+                          (Op.GATE_UP_SWIGLU, False, 0, True)],
+                         ids=["gate_up-nvfp4", "matmul-nvfp4-persistent", "gate_up-bf16-persistent", "matmul-bf16",
+                              "gate_up-nvfp4-x2-in-x"])
+def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persistent, x2_in_x):
     """``gluon_ws_kernel``: 12 warps (two consumer warp groups, one producer warp padded to a
     group) whose registers are moved by ``setmaxnreg`` (224 per consumer, 56 for the producer);
     the producer loads by TMA (and for NVFP4 ``cp.async``) into mbarrier-tracked stages; every
@@ -59,7 +62,8 @@ def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persist
     from benchmarks import gluon_ws_kernel as wk  # noqa: PLC0415
 
     k, n_out = SHAPES[op]
-    spec = wk.WsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, bf16=bf16, persistent=persistent)
+    spec = wk.WsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, bf16=bf16, persistent=persistent,
+                     x2_in_x=x2_in_x)
     compiled, waits, ptx = _facts(gk.compile_kernel(spec))
     assert re.search(r"\.reqntid\s+384\b", ptx)
     moved = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}

@@ -1,9 +1,9 @@
 """One-GPU-call probe: what Hopper's FP8 tensor cores would give the routed grouped GEMMs (W4A8),
 against the W4A16 table kernel and the dense cuBLAS anchor, at Kimi K2's prefill sizes.
 
-Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; gate/up K 7168 N 2x2048 with SwiGLU, down K
-2048 N 7168), from one set of random NVFP4 weights (``gluon_probe.nvfp4_weights``, global scales
-1) and one set of bf16 rows:
+Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; gate/up K 7168 N
+2x2048 with SwiGLU, down K 2048 N 7168), from one set of random NVFP4 weights
+(``gluon_probe.nvfp4_weights``, global scales 1) and one set of bf16 rows:
 
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
@@ -186,18 +186,22 @@ def main() -> None:
                         unread = scales_u8[:1, :1, :1]
                         weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
                                    fk.Mode.W4A8: (w.packed, scales_u8), fk.Mode.W4A16: (w.packed, scales_u8)}[mode]
-                        if mode is fk.Mode.W4A16:
-                            inputs = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, fk.BLOCK_K.value) for x in xs]
-                        else:
-                            inputs = {fk.Mode.BF16: xs, fk.Mode.FP8: xs_fp8,
-                                      fk.Mode.W4A8: [jax.jit(fk.permute_k)(x) for x in xs_fp8]}[mode]
+                        # Only this mode's rows are built (each permuted set is 3 copies of [M, K]).
+                        match mode:
+                            case fk.Mode.BF16:
+                                inputs, want = xs, want_bf16
+                            case fk.Mode.FP8:
+                                inputs, want = xs_fp8, want_fp8
+                            case fk.Mode.W4A16:
+                                inputs = [jax.jit(triton_lang.permute_k, static_argnums=1)(x, fk.BLOCK_K.value)
+                                          for x in xs]
+                                want = want_bf16
+                            case fk.Mode.W4A8:  # the E4M3 weights times the epilogue's 2**3
+                                inputs = [jax.jit(fk.permute_k)(x) for x in xs_fp8]
+                                want = exact(xs_fp8[0], w_fp8, scale=8.0)
 
                         def fn(x, out=None, spec=spec, weights=weights):
                             return fk.launch(spec, group_sizes, x, *weights, out)
-                        want = {fk.Mode.BF16: want_bf16, fk.Mode.FP8: want_fp8, fk.Mode.W4A8: want_fp8 * 8,
-                                fk.Mode.W4A16: want_bf16}[mode]
-                        if mode is fk.Mode.W4A8 and op is Op.GATE_UP_SWIGLU:
-                            want = exact(xs_fp8[0], w_fp8, scale=8.0)
                     y = jax.block_until_ready(fn(inputs[0], out=poison.copy()))
                     nan_rows = int(jnp.sum(jnp.any(jnp.isnan(y[: int(sizes.sum())]), axis=1)))
                     row = dict(nan_rows=nan_rows, sampled_rel_err_f64=sampled_err(y, want))

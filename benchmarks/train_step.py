@@ -286,6 +286,32 @@ def native_gemm(op: str, cc: int):
     raise ValueError(op)
 
 
+def native_weight_grad(cc: int):
+    """The persistent native (Triton-language) bf16 weight gradient, bf16 out as the step writes it."""
+    from pallas_kernels.grouped_matmul import triton_weight_grad  # noqa: PLC0415
+
+    return lambda a, b, g: triton_weight_grad.weight_grad(a, b, g, compute_capability=cc, out_dtype=jnp.bfloat16)
+
+
+#: Steps whose weight gradients run the persistent native kernel (``triton_weight_grad``), which
+#: no backend dispatches to until it is measured faster: the step's impl and the backend whose
+#: other kernels it keeps.
+NATIVE_DW_STEPS = {"pallas, native dW": "PALLAS", "triton, native dW": "BF16_BACKEND"}
+
+
+def native_dw_apply(impl: str, cc: int):
+    """``apply(x, weights, group_sizes)`` of the bf16 expert MLP through ``expert_mlp`` with
+    :data:`NATIVE_DW_STEPS`' backend, its ``weight_grad`` replaced by the native kernel."""
+    import pallas_kernels.grouped_matmul as gmm  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import triton_lang, triton_weight_grad  # noqa: PLC0415
+
+    name = NATIVE_DW_STEPS[impl]
+    base = gmm.PALLAS if name == "PALLAS" else getattr(triton_lang, name)
+    backend = base._replace(name=f"{base.name}, native weight gradient", weight_grad=triton_weight_grad.weight_grad)
+    return lambda x, weights, g: gmm.expert_mlp(x, g, weights["w_gate_up_egh"], weights["w_down_ehf"],
+                                                backend=backend, compute_capability=cc)
+
+
 def dequantized_gemm(cc: int, interpret: bool):
     """The NVFP4 input gradient through one bf16 copy of the weights (what both backends take at
     many rows per expert, ``tuning.dequantize_for_input_grad``), whatever the rule says here."""
@@ -448,11 +474,16 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
     out = []
     # ``triton``: the native kernels (NVFP4: W4A16; bf16: the forward GEMMs at prefill sizes,
     # the gradients the Pallas kernels'); where they cannot run, their row says why.
-    for impl in ("pallas",) + (("triton",) if "triton" in plans else ()):
+    native = case.fmt == "bf16" and not ctx.interpret and not isinstance(plans.get("triton"), Exception)
+    native_dw = tuple(NATIVE_DW_STEPS) if native else ()
+    for impl in ("pallas",) + (("triton",) if "triton" in plans else ()) + native_dw:
         row = {**base, "impl": impl, "reference": "dense"}
         out.append(row)
         try:
-            fn = registered_step(impl, case, plans)
+            if impl in NATIVE_DW_STEPS:
+                fn = cached(("step", impl), lambda: vjp_step(native_dw_apply(impl, ctx.cc), True))  # noqa: B023
+            else:
+                fn = registered_step(impl, case, plans)
             result, row["compile_s"] = compile_and_run(fn, args)
             ok = check(row, rel_errs(result, ref), ctx.max_err)
             del result
@@ -605,6 +636,8 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
             impls = {"pallas": (("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))}
             if case.fmt == "nvfp4" and not ctx.interpret:
                 impls["triton"] = (("native gemm", op), lambda: native_gemm(op, ctx.cc))
+            if case.fmt == "bf16" and op == "weight_grad" and not ctx.interpret:
+                impls["triton"] = (("native weight grad",), lambda: native_weight_grad(ctx.cc))
             if case.fmt == "nvfp4" and op == "input_grad":
                 impls["dequantized"] = (("dequantized gemm", op), lambda: dequantized_gemm(ctx.cc, ctx.interpret))
             for impl, (key, make) in impls.items():

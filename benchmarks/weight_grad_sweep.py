@@ -1,42 +1,88 @@
 """Weight-gradient tile sweep on one H200: the candidates below at Kimi K2's two projections (48
 experts), 8192 and 32768 rows; wall time per synchronized call, median of 10 after 2 warm-ups.
 
-    python3 benchmarks/weight_grad_sweep.py OUT.json
+    python3 benchmarks/weight_grad_sweep.py OUT.json                    # the Pallas kernel
+    python3 benchmarks/weight_grad_sweep.py OUT.json --kernel native    # the persistent native one
 
-The pair in ``pallas_kernels.grouped_matmul.tuning.WEIGHT_GRAD_TILES[90]`` was picked from its
-output (benchmarks/results/train_step_h200/weight_grad_sweep.json).
+The Pallas pair in ``pallas_kernels.grouped_matmul.tuning.WEIGHT_GRAD_TILES[90]`` was picked from
+its output (benchmarks/results/train_step_h200/weight_grad_sweep.json); the native kernel's
+(``NATIVE_WEIGHT_GRAD_TILES``) are the Pallas tiles with ``triton_weight_grad.PLAN_STAGES`` more
+stages, not yet measured. Each candidate's output is checked against the Pallas table tile's
+first (relative Frobenius error < 1e-2); one that differs gets no time.
 """
-import sys, time, json, numpy as np, jax, jax.numpy as jnp
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 sys.path.insert(0, ".")
-from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, tuning
-from pallas_kernels.grouped_matmul.tuning import TileConfig
+from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, triton_weight_grad, tuning  # noqa: E402
+from pallas_kernels.grouped_matmul.tuning import TileConfig  # noqa: E402
 
 E, H, F = 48, 7168, 2048
-configs = [(64,128,128,8,3),(128,128,128,8,3),(64,128,256,8,3),(64,256,128,8,3),(128,256,128,8,2),
-           (64,128,128,4,4),(128,128,64,8,4),(32,128,128,4,4),(128,128,128,8,4),(64,256,64,8,4)]
-rng = np.random.default_rng(0)
-rows = []
-for m in (8192, 32768):
-    gs = jnp.asarray(rng.multinomial(m, np.full(E, 1 / E)), jnp.int32)
-    for proj, (k, n) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
-        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-        dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
-        for c in configs:
-            cfg = TileConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3], num_stages=c[4], group_t=1)
-            if tuning.weight_grad_shared_memory(cfg) > tuning.SHARED_MEMORY_BYTES[90]:
-                continue
-            tuning.WEIGHT_GRAD_TILES[90] = (cfg, cfg)
+PALLAS_CONFIGS = [(64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
+                  (128, 256, 128, 8, 2), (64, 128, 128, 4, 4), (128, 128, 64, 8, 4), (32, 128, 128, 4, 4),
+                  (128, 128, 128, 8, 4), (64, 256, 64, 8, 4)]
+# (block_m, block_n, block_k, num_warps, num_stages): the rows two steps ahead need 5 stages.
+NATIVE_CONFIGS = [(64, 128, 256, 8, 5), (64, 128, 256, 8, 4), (32, 128, 256, 8, 6), (64, 256, 128, 8, 5),
+                  (64, 128, 128, 8, 5), (32, 128, 128, 4, 6), (128, 128, 128, 8, 5), (64, 128, 128, 4, 6)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="JSON file to write")
+    parser.add_argument("--kernel", choices=["pallas", "native"], default="pallas")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    table = tuning.WEIGHT_GRAD_TILES[90]
+    rows = []
+    for m in (8192, 32768):
+        gs = jnp.asarray(rng.multinomial(m, np.full(E, 1 / E)), jnp.int32)
+        for proj, (k, n) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
+            x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+            dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+            tuning.WEIGHT_GRAD_TILES[90] = table  # the reference: the Pallas table tile
             jax.clear_caches()
-            f = lambda: grouped_matmul_weight_grad(x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16)
-            try:
-                for _ in range(2): f().block_until_ready()
-                ts = []
-                for _ in range(10):
-                    t0 = time.perf_counter(); f().block_until_ready(); ts.append(time.perf_counter() - t0)
-                ms = float(np.median(ts)) * 1e3
-                tf = 2 * m * n * k / ms / 1e9
-                rows.append(dict(m=m, proj=proj, cfg=c, ms=ms, tflops=tf))
-                print(m, proj, c, f"{ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
-            except Exception as e:
-                print(m, proj, c, "EXC", str(e)[:200], flush=True)
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
+            ref = grouped_matmul_weight_grad(x, dy, gs, compute_capability=90, out_dtype=jnp.float32)
+            for c in PALLAS_CONFIGS if args.kernel == "pallas" else NATIVE_CONFIGS:
+                cfg = TileConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3], num_stages=c[4], group_t=1)
+                if args.kernel == "pallas":
+                    if tuning.weight_grad_shared_memory(cfg) > tuning.SHARED_MEMORY_BYTES[90]:
+                        continue
+                    tuning.WEIGHT_GRAD_TILES[90] = (cfg, cfg)
+                    jax.clear_caches()
+                    f = lambda: grouped_matmul_weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023, E731
+                                                           out_dtype=jnp.bfloat16)
+                else:
+                    f = lambda: triton_weight_grad.weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023, E731
+                                                               out_dtype=jnp.bfloat16, tile=cfg)  # noqa: B023
+                try:
+                    got = f()
+                    err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+                    del got
+                    if not err < 1e-2:
+                        raise AssertionError(f"relative error {err:.3g} against the Pallas table tile")
+                    f().block_until_ready()
+                    ts = []
+                    for _ in range(10):
+                        t0 = time.perf_counter()
+                        f().block_until_ready()
+                        ts.append(time.perf_counter() - t0)
+                    ms = float(np.median(ts)) * 1e3
+                    tf = 2 * m * n * k / ms / 1e9
+                    rows.append(dict(m=m, proj=proj, kernel=args.kernel, cfg=c, ms=ms, tflops=tf, err=err))
+                    print(m, proj, args.kernel, c, f"{ms:.3f} ms {tf:.0f} TFLOP/s err {err:.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001 -- recorded, never hidden
+                    rows.append(dict(m=m, proj=proj, kernel=args.kernel, cfg=c, error=str(e)[:300]))
+                    print(m, proj, args.kernel, c, "EXC", str(e)[:200], flush=True)
+            del ref
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

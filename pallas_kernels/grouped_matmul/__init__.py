@@ -61,8 +61,9 @@ from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp, is_nvf
 from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["PALLAS", "Backend", "dequantized_copy_pays", "dequantized_input_grad", "expert_mlp", "gate_up_swiglu",
-           "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad", "input_grad", "run"]
+__all__ = ["PALLAS", "Backend", "check_weight_grad_args", "dequantized_copy_pays", "dequantized_input_grad",
+           "expert_mlp", "gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad",
+           "input_grad", "run"]
 
 K_MULTIPLE = 64
 N_MULTIPLE = 16
@@ -156,6 +157,26 @@ def input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: b
                                      interpret=interpret)
 
 
+def check_weight_grad_args(x_mk, dy_mn, group_sizes_e, *, out_dtype, compute_capability: int,
+                           out=None) -> tuple[int, int, int, int]:
+    """Validates a weight gradient's arguments (:func:`grouped_matmul_weight_grad`'s, and the
+    native kernel's, ``triton_weight_grad.weight_grad``); returns ``(M, K, N, E)``."""
+    tuning.check_capability(compute_capability)
+    for name, a in (("x_mk", x_mk), ("dy_mn", dy_mn)):
+        if np.dtype(a.dtype) != np.dtype(jnp.bfloat16) or a.ndim != 2 or a.shape[1] % N_MULTIPLE or not a.shape[1]:
+            raise ValueError(f"{name}: {a.dtype}{list(a.shape)}, expected bfloat16 [M, C] with C a positive "
+                             f"multiple of {N_MULTIPLE}")
+    if dy_mn.shape[0] != x_mk.shape[0]:
+        raise ValueError(f"dy_mn: {dy_mn.shape[0]} rows, expected M={x_mk.shape[0]} (x_mk)")
+    _check_group_sizes(group_sizes_e)
+    if np.dtype(out_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"out_dtype: {np.dtype(out_dtype).name}, expected float32 or bfloat16")
+    (m, k), n, e = x_mk.shape, dy_mn.shape[1], group_sizes_e.shape[0]
+    if out is not None and (tuple(out.shape) != (e, n, k) or np.dtype(out.dtype) != np.dtype(out_dtype)):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected {np.dtype(out_dtype).name} {[e, n, k]}")
+    return m, k, n, e
+
+
 def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, interpret: bool = False,
                                out_dtype=jnp.float32, out=None, check_bounds: bool = False):
     """``[E, N, K]`` in ``out_dtype``: per expert ``dy_e^T @ x_e`` over its rows, the gradient of
@@ -173,21 +194,10 @@ def grouped_matmul_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability
         is written: experts without rows get zeros).
       check_bounds: as for :func:`run`; the call then returns ``(dw, count)``.
     """
-    tuning.check_capability(compute_capability)
-    for name, a in (("x_mk", x_mk), ("dy_mn", dy_mn)):
-        if np.dtype(a.dtype) != np.dtype(jnp.bfloat16) or a.ndim != 2 or a.shape[1] % N_MULTIPLE or not a.shape[1]:
-            raise ValueError(f"{name}: {a.dtype}{list(a.shape)}, expected bfloat16 [M, C] with C a positive "
-                             f"multiple of {N_MULTIPLE}")
-    if dy_mn.shape[0] != x_mk.shape[0]:
-        raise ValueError(f"dy_mn: {dy_mn.shape[0]} rows, expected M={x_mk.shape[0]} (x_mk)")
-    _check_group_sizes(group_sizes_e)
-    if np.dtype(out_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise ValueError(f"out_dtype: {np.dtype(out_dtype).name}, expected float32 or bfloat16")
     if check_bounds and not interpret:
         raise ValueError("check_bounds: True, expected interpret=True (it instruments the interpreted kernel)")
-    (m, k), n, e = x_mk.shape, dy_mn.shape[1], group_sizes_e.shape[0]
-    if out is not None and (tuple(out.shape) != (e, n, k) or np.dtype(out.dtype) != np.dtype(out_dtype)):
-        raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected {np.dtype(out_dtype).name} {[e, n, k]}")
+    m, k, n, e = check_weight_grad_args(x_mk, dy_mn, group_sizes_e, out_dtype=out_dtype,
+                                        compute_capability=compute_capability, out=out)
     if m == 0:
         zeros = jnp.zeros((e, n, k), out_dtype)
         return (zeros, jnp.zeros((1,), jnp.int32)) if check_bounds else zeros

@@ -180,9 +180,23 @@ def compile_input_grad(capability: int, *, n: int, k: int, rows: int, experts: i
         name="native_input_grad_w4a16", with_sass=with_sass)
 
 
+def compile_weight_grad(capability: int, *, n: int, k: int, rows: int, experts: int, out_dtype="bfloat16",
+                        with_sass: bool = False) -> crosscompile.CompiledKernel:
+    """Compiles the native bf16 weight-gradient kernel (``triton_weight_grad``) with the
+    capability's weight-gradient tile for ``rows`` rows over ``experts`` experts, ``dW [E, n, k]``."""
+    from pallas_kernels.grouped_matmul import triton_weight_grad  # noqa: PLC0415 (needs triton)
+
+    spec = triton_weight_grad.make_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability,
+                                        out_dtype=out_dtype)
+    return crosscompile.compile_jit(
+        triton_weight_grad.kernel_function(), signature=triton_weight_grad.signature(spec),
+        constexprs=spec.constexprs(), capability=capability, num_warps=spec.tile.num_warps,
+        num_stages=spec.tile.num_stages, name=f"native_weight_grad_{spec.out_dtype.name}", with_sass=with_sass)
+
+
 def table_keys(capability: int) -> list[Key]:
     return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
 
 
 __all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_input_grad", "compile_native",
-           "native_keys", "table_keys", "Op"]
+           "compile_weight_grad", "native_keys", "table_keys", "Op"]

@@ -184,15 +184,28 @@ WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
     100: (prefill_tile(32, 128, 128, 4, 4, group_t=1), prefill_tile(64, 128, 256, 8, 3, group_t=1)),
     120: (prefill_tile(32, 64, 128, 4, 3, group_t=1), prefill_tile(32, 64, 128, 4, 3, group_t=1)),
 }
+# The same for the persistent Triton-language kernel (``triton_weight_grad``): the Pallas tiles with
+# two more pipeline stages (its plan's loads take a stage, and the row loads that depend on them
+# the next: ``triton_weight_grad.PLAN_STAGES``), and 8 warps for SM100's smaller tile, whose
+# float32 epilogue spilled at 4. Not measured yet; cross-compiled for each capability in CI.
+NATIVE_WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
+    80: (prefill_tile(32, 128, 128, 4, 6, group_t=1), prefill_tile(64, 128, 128, 8, 5, group_t=1)),
+    89: (prefill_tile(32, 64, 128, 4, 5, group_t=1), prefill_tile(32, 64, 128, 4, 5, group_t=1)),
+    90: (prefill_tile(32, 128, 128, 4, 6, group_t=1), prefill_tile(64, 128, 256, 8, 5, group_t=1)),
+    100: (prefill_tile(32, 128, 128, 8, 6, group_t=1), prefill_tile(64, 128, 256, 8, 5, group_t=1)),
+    120: (prefill_tile(32, 64, 128, 4, 5, group_t=1), prefill_tile(32, 64, 128, 4, 5, group_t=1)),
+}
 #: Rows per expert (on average) from which the weight gradient takes the second tile of its pair.
 WEIGHT_GRAD_MANY_ROWS = 512
 
 
-def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int) -> TileConfig:
-    """The weight-gradient tile: deeper row steps and a wider output tile once each expert has
-    about :data:`WEIGHT_GRAD_MANY_ROWS` rows (32768 rows over 48 experts), else the smaller one."""
+def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int,
+                            table: dict[int, tuple[TileConfig, TileConfig]] = WEIGHT_GRAD_TILES) -> TileConfig:
+    """The weight-gradient tile of ``table`` (the Pallas kernel's, or
+    :data:`NATIVE_WEIGHT_GRAD_TILES`): deeper row steps and a wider output tile once each expert
+    has about :data:`WEIGHT_GRAD_MANY_ROWS` rows (32768 rows over 48 experts), else the smaller one."""
     check_capability(compute_capability)
-    few, many = WEIGHT_GRAD_TILES[compute_capability]
+    few, many = table[compute_capability]
     return many if num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts else few
 
 

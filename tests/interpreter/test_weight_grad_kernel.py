@@ -1,0 +1,93 @@
+"""The native (Triton-language) bf16 weight gradient ``dW_e = dy_e^T x_e``
+(``triton_weight_grad._kernel``: persistent, one flat loop of row steps over a program's tiles),
+executed in Triton's interpreter on CPU against float64.
+
+As the GPU gets it: ``make_spec``'s tile or the one under test, the plan ``plan`` computes,
+every load and store bounds-checked. The output is NaN-poisoned, so
+an element the kernel does not write fails; the padding rows past ``sum(group_sizes)`` hold NaN
+in both ``x`` and ``dy``, so a row step that reads one fails too.
+
+Run by ``./run test`` with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import interpreted
+from pallas_kernels.grouped_matmul import pallas_triton, triton_weight_grad
+from pallas_kernels.grouped_matmul.tuning import TileConfig
+
+CC = 90
+#: A tile the interpreter runs quickly: 32-row steps, a 32 x 64 output tile.
+SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3, group_t=1)
+
+
+def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL, num_programs=None,
+                experts=None, padding: int = 5, seed: int = 0) -> float:
+    """Runs the kernel on random bf16 rows (the used experts are the last ones when ``experts``
+    is larger); asserts and returns its relative error against float64."""
+    rng = np.random.default_rng(seed)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    experts = experts or len(group_sizes)
+    group_sizes = np.concatenate([np.zeros(experts - len(group_sizes), np.int32), group_sizes])
+    total = int(group_sizes.sum())
+    m = total + padding
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    dy = rng.standard_normal((m, n)).astype(ml_dtypes.bfloat16)
+    x[total:] = np.nan
+    dy[total:] = np.nan
+    spec = triton_weight_grad.make_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC,
+                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs)
+    starts, ends = pallas_triton.group_bounds(jnp.asarray(group_sizes), num_rows=m)
+    plan = [np.asarray(a, np.int32) for a in triton_weight_grad.plan(spec, starts, ends)]
+    interpreted.reset()
+    out = np.full((experts, n, k), np.nan, out_dtype)
+    buffers = [interpreted.buffer(a, name) for a, name in zip(plan, ("tile", "row", "end", "steps"), strict=True)]
+    buffers += [interpreted.buffer(x, "x"), interpreted.buffer(dy, "dy"),
+               interpreted.buffer(np.zeros(1, out_dtype), "out_in (unread)")]
+    got = interpreted.launch(triton_weight_grad.kernel_function(), spec.num_programs, buffers, out,
+                             spec.constexprs())
+    bounds = np.concatenate([[0], np.cumsum(group_sizes)])
+    want = np.stack([dy[bounds[e]:bounds[e + 1]].astype(np.float64).T @ x[bounds[e]:bounds[e + 1]].astype(np.float64)
+                     for e in range(experts)])
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs not written or read padding"
+    empty = group_sizes == 0
+    assert (got[empty] == 0).all(), "an expert without rows has a nonzero gradient"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    # bf16 output rounding alone is ~2e-3; float32 keeps the exact bf16 products' fp32 sums.
+    assert err < (1e-2 if out_dtype == ml_dtypes.bfloat16 else 1e-5), f"relative error {err:.3g}"
+    return err
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_every_row_count(out_dtype):
+    """Experts of 0 rows (zeros written), one row, a partial step, whole steps, and one longer
+    than a program's share, over fewer programs than tiles: a program's loop crosses tile and
+    expert boundaries mid-flight."""
+    weight_grad([0, 1, 31, 32, 0, 65, 200, 7], n=64, k=128, out_dtype=out_dtype, num_programs=5)
+
+
+def test_more_programs_than_tiles():
+    """The grid is cut to one program per tile: no program without a tile."""
+    spec = triton_weight_grad.make_spec(num_rows=10, num_experts=2, n=32, k=64, compute_capability=CC,
+                                        out_dtype=np.float32, tile=SMALL, num_programs=1000)
+    assert spec.num_programs == spec.num_tiles == 2
+    weight_grad([3, 40], n=32, k=64, num_programs=1000)
+
+
+def test_kimi_k2_s_last_experts():
+    """384 experts with only the last three used: the tiles of the highest experts, written at
+    the end of the output (a wrong expert offset lands outside it, which the bounds checks see)."""
+    weight_grad([50, 0, 33], n=32, k=64, experts=384, num_programs=7, seed=3)
+
+
+def test_the_sm90_table_tile():
+    """The capability's own tile (64-row steps, 128 x 256 output tiles), one program."""
+    tile = triton_weight_grad.make_spec(num_rows=4096, num_experts=2, n=128, k=256, compute_capability=CC,
+                                        out_dtype=np.float32).tile
+    assert (tile.block_m, tile.block_n, tile.block_k) == (64, 128, 256)
+    weight_grad([70, 130], n=128, k=256, tile=tile, num_programs=1, seed=5)

@@ -53,8 +53,9 @@ from benchmarks.grouped_gemm import copy_bandwidth  # noqa: E402
 
 #: (label, weight format, expert_gemm, shared expert's format) measured for every token count;
 #: None: the routed experts' (``MoEConfig.kimi_k2``'s default, the headline rows). NVIDIA's NVFP4
-#: export of Kimi K2 keeps the shared expert in bf16: its row runs the layer as that checkpoint
-#: loads, the shared expert through XLA's bf16 GEMM (its floor counts the shared expert's bf16 bytes).
+#: export of Kimi K2 keeps the shared expert and the router in bf16: its row runs the layer as that
+#: checkpoint loads (the loader keeps the router as stored), the shared expert through XLA's bf16
+#: GEMM and the router's logits as one bf16 matmul (its floor counts both at 2 bytes a weight).
 #: The ``xla`` rows' memory at 8192 tokens (65536 rows, 384 experts), from XLA's buffer
 #: assignment of the whole layer on one H200 (``results/layer_h200/layer.md``, "Memory"): bf16
 #: 34.0 + 6.2 GB of arguments and temporaries, NVFP4 9.7 + 28.0 GB (every expert
@@ -71,11 +72,11 @@ def expert_bytes(config: moe_jax.MoEConfig, fmt: str) -> int:
     return weights * 2 if fmt == "bf16" else weights // 2 + weights // 16
 
 
-def floor_bytes(config: moe_jax.MoEConfig, fmt: str, touched: int, tokens: int) -> int:
-    """Bytes a layer call must move: touched experts, shared expert (bf16), router, x in, y out."""
+def floor_bytes(config: moe_jax.MoEConfig, fmt: str, touched: int, tokens: int, *, router_itemsize: int = 4) -> int:
+    """Bytes a layer call must move: touched experts, shared expert, router, x in, y out."""
     h, f = config.hidden_size, config.expert_intermediate_size
     shared = 3 * h * f * config.num_shared_experts * (2 if config.shared_format == "bf16" else 0.5625)
-    router = config.num_experts * h * 4
+    router = config.num_experts * h * router_itemsize
     return int(touched * expert_bytes(config, fmt) + shared + router + 2 * tokens * h * 2)
 
 
@@ -115,6 +116,8 @@ def jax_rows(tokens_list, iters: int, out: list, save, labels=None) -> None:
         try:
             plan = moe_jax.resolve(config, None)
             params = moe_jax.random_params(config, jax.random.key(0), plan)
+            if shared_fmt == "bf16":  # NVIDIA's export: the router as that checkpoint stores it
+                params["router"]["w_eh"] = params["router"]["w_eh"].astype(jnp.bfloat16)
         except Exception as err:  # recorded, never hidden
             out.append({"impl": label, "error": f"{type(err).__name__}: {str(err)[:400]}"})
             save()
@@ -132,7 +135,8 @@ def jax_rows(tokens_list, iters: int, out: list, save, labels=None) -> None:
                 del forward
                 seconds, compile_s = timed(lambda p, x: moe_jax.moe_forward(p, x, plan)[0], params, x, iters=iters)
                 entry.update(seconds=seconds, compile_seconds=compile_s, touched_experts=touched,
-                             floor_bytes=floor_bytes(config, fmt, touched, tokens))
+                             floor_bytes=floor_bytes(config, fmt, touched, tokens,
+                                                     router_itemsize=params["router"]["w_eh"].dtype.itemsize))
                 if (after := device.memory_stats()) and "peak_bytes_in_use" in after:
                     entry["memory"]["peak_bytes_in_use_so_far"] = after["peak_bytes_in_use"]
             except Exception as err:

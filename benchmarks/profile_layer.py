@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--shared-kernel-max-tokens", type=int, default=None,
                         help="override the plan's limit for the shared expert through the kernels (0: never), "
                              "to time both ways in one run")
+    parser.add_argument("--router-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the router's weights (checkpoints of Kimi K2 and DeepSeek-V3 store them in bf16, "
+                             "and the loader keeps them so: one bf16 matmul for the logits instead of three)")
     parser.add_argument("--keep-trace", action="store_true", help="copy the raw trace files into --out")
     args = parser.parse_args()
     if args.calls < 1 or args.iters < 1:
@@ -207,13 +210,14 @@ def main() -> None:
     results = {"meta": {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
                         "commit": os.environ.get("GIT_COMMIT", "unknown"), "preset": args.preset,
                         "format": args.format, "shared_format": str(config.shared_format),
-                        "expert_gemm": args.expert_gemm,
+                        "router_dtype": args.router_dtype, "expert_gemm": args.expert_gemm,
                         "resolved_expert_gemm": plan.expert_gemm, "calls": args.calls,
                         "shared_kernel_max_tokens": plan.shared_kernel_max_tokens, "iters": args.iters,
                         "jax": jax.__version__, "report": plan.report,
                         "command": "python benchmarks/profile_layer.py " + " ".join(sys.argv[1:])},
                "rows": []}
     params = moe_jax.random_params(config, jax.random.key(0), plan)
+    params["router"]["w_eh"] = params["router"]["w_eh"].astype(args.router_dtype)
     fn = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan)[0])
     for tokens in args.tokens:
         row = {"tokens": tokens}

@@ -6,6 +6,7 @@ Dimension letters: ``t`` tokens, ``e`` experts, ``k`` top-k slots, ``g`` expert 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, assert_never
 
@@ -22,32 +23,42 @@ def logits(x_th: jax.Array, w_eh: jax.Array) -> jax.Array:
     A GPU's default for float32 matmuls (TF32, 10-bit mantissa) would flip the choice between
     near-tied experts, so the published models' float32 gates are honoured:
 
-    * bf16 ``x_th`` (the serving case): ``w_eh`` is split exactly into three bf16 parts
-      (:func:`_bf16_parts`, ``w = hi + mid + lo``), and one bf16 matmul of ``x`` against the
-      ``[3E, H]`` stack runs on the tensor cores: every product of two bf16 values is exact in
-      float32, the accumulation is float32's, so the error bound is float32's (measured on an
-      H200 at 8192 x 7168 x 384: 0.18 ms against 0.99 ms for the float32 SIMT matmul;
-      ``benchmarks/results/prefill_h200/``). HLO scope ``moe_jax.router.logits_bf16x3``.
+    * bf16 ``x_th`` (the serving case): ``w_eh`` is split exactly into as many bf16 parts as its
+      significand needs (:func:`bf16_parts`: three for float32, ``w = hi + mid + lo``; two for
+      float16; one for bf16 weights, as checkpoints store Kimi K2's and DeepSeek-V3's router and
+      the loader keeps them), and one bf16 matmul of ``x`` against the ``[parts * E, H]`` stack
+      runs on the tensor cores: every product of two bf16 values is exact in float32, the
+      accumulation is float32's, so the error bound is float32's (measured on an H200 at 8192 x
+      7168 x 384 with three parts: 0.18 ms against 0.99 ms for the float32 SIMT matmul;
+      ``benchmarks/results/prefill_h200/``). HLO scope ``moe_jax.router.logits_bf16x{parts}``.
     * any other dtype: float32 at precision ``HIGHEST`` (IEEE float32), scope
       ``moe_jax.router.logits_float32``.
 
     Args:
       x_th: ``[T, H]`` floating.
-      w_eh: ``[E, H]`` floating (float32 in the layer's parameters).
+      w_eh: ``[E, H]`` floating (float32 in the layer's parameters; as stored when loaded).
     """
     if x_th.dtype == jnp.bfloat16:
-        with jax.named_scope("moe_jax.router.logits_bf16x3"):
-            return _bf16x3_logits(x_th, w_eh.astype(jnp.float32))
+        parts = bf16_parts(w_eh.dtype)
+        with jax.named_scope(f"moe_jax.router.logits_bf16x{parts}"):
+            return _bf16xn_logits(x_th, w_eh.astype(jnp.float32), parts)
     with jax.named_scope("moe_jax.router.logits_float32"):
         return _float32_logits(x_th, w_eh)
+
+
+def bf16_parts(dtype) -> int:
+    """How many bf16 values sum exactly to any value of ``dtype`` (8 significant bits each):
+    1 for bfloat16, 2 for float16 (11 bits, inside bf16's exponent range), else 3 (float32's 24)."""
+    return {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(jnp.dtype(dtype), 3)
 
 
 def _float32_logits(x_th, w_eh):
     return jnp.matmul(x_th.astype(jnp.float32), w_eh.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
 
 
-def _bf16_parts(w_eh: jax.Array) -> jax.Array:
-    """float32 ``[E, H]`` -> bf16 ``[3, E, H]`` whose sum is ``w_eh`` exactly.
+def _bf16_parts(w_eh: jax.Array, parts: int = 3) -> jax.Array:
+    """float32 ``[E, H]`` -> bf16 ``[parts, E, H]`` whose sum is ``w_eh`` exactly, where every value
+    of ``w_eh`` has at most ``8 * parts`` significant bits (:func:`bf16_parts` of its stored dtype).
 
     Each part is the leading 8 significant bits of what the parts before it leave, cut by
     masking the float32 bits (not by rounding: a rounded conversion followed by the convert back
@@ -59,24 +70,28 @@ def _bf16_parts(w_eh: jax.Array) -> jax.Array:
         bits = jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000)
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
-    hi = leading(w_eh)
-    rest = w_eh - hi
-    mid = leading(rest)
-    return jnp.stack([hi, mid, rest - mid]).astype(jnp.bfloat16)
+    out, rest = [], w_eh
+    for _ in range(parts - 1):
+        out.append(leading(rest))
+        rest = rest - out[-1]
+    return jnp.stack([*out, rest]).astype(jnp.bfloat16)
 
 
-@jax.custom_jvp
-def _bf16x3_logits(x_th, w_eh):
-    parts_pe = _bf16_parts(w_eh).reshape(-1, w_eh.shape[1])
-    y_tpe = jnp.dot(x_th, parts_pe.T, preferred_element_type=jnp.float32).reshape(x_th.shape[0], 3, -1)
-    return (y_tpe[:, 2] + y_tpe[:, 1]) + y_tpe[:, 0]  # smallest first
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _bf16xn_logits(x_th, w_eh, parts: int):
+    parts_pe = _bf16_parts(w_eh, parts).reshape(-1, w_eh.shape[1])
+    y_tpe = jnp.dot(x_th, parts_pe.T, preferred_element_type=jnp.float32).reshape(x_th.shape[0], parts, -1)
+    y_te = y_tpe[:, parts - 1]
+    for p in range(parts - 2, -1, -1):  # smallest first
+        y_te = y_te + y_tpe[:, p]
+    return y_te
 
 
-@_bf16x3_logits.defjvp
-def _bf16x3_logits_jvp(primals, tangents):
+@_bf16xn_logits.defjvp
+def _bf16xn_logits_jvp(parts, primals, tangents):
     # The masking has no useful derivative; the function is x @ w^T, whose derivative is.
     (x_th, w_eh), (dx_th, dw_eh) = primals, tangents
-    return _bf16x3_logits(x_th, w_eh), _float32_logits(dx_th, w_eh) + _float32_logits(x_th, dw_eh)
+    return _bf16xn_logits(x_th, w_eh, parts), _float32_logits(dx_th, w_eh) + _float32_logits(x_th, dw_eh)
 
 
 def expert_scores(logits_te: jax.Array, config: MoEConfig) -> jax.Array:

@@ -9,6 +9,7 @@
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -248,19 +249,47 @@ def test_bf16_parts_sum_to_the_float32_weights_exactly(rng):
     np.testing.assert_array_equal(parts.sum(0), w.astype(np.float64))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_logits_have_float32_accuracy(rng, dtype):
+@pytest.mark.parametrize("w_dtype,parts", [(jnp.float32, 3), (jnp.float16, 2), (jnp.bfloat16, 1)])
+def test_bf16_parts_are_as_many_as_the_stored_weights_need(rng, w_dtype, parts):
+    # Weights stored in float16 or bf16 (a checkpoint's router, kept as stored) need fewer parts;
+    # the sum of those is still the weights exactly, subnormal and extreme float16 values included.
+    w = (rng.standard_normal((16, 256)) * np.exp2(rng.integers(-20, 14, (16, 256)))).astype(w_dtype)
+    if w_dtype == jnp.float16:
+        w[0, :4] = np.array([6.0e-8, -6.1e-5, 65504.0, np.float16(1) + np.finfo(np.float16).eps], np.float16)
+    assert router.bf16_parts(w.dtype) == parts
+    got = np.asarray(router._bf16_parts(jnp.asarray(w, jnp.float32), parts), np.float64)
+    assert got.shape == (parts, 16, 256)
+    np.testing.assert_array_equal(got.sum(0), np.asarray(w, np.float64))
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float16),
+                                           (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
+def test_logits_have_float32_accuracy(rng, dtype, w_dtype):
     # Against float64: each logit within a few float32 roundings of sum |x_h w_h| (a TF32 or bf16
-    # product would be ~1e-3 of it), and no worse than a float32 matmul at HIGHEST.
+    # product would be ~1e-3 of it), and no worse than a float32 matmul at HIGHEST; one bf16
+    # matmul of bf16 x against as many bf16 parts of w as its stored dtype needs.
     x = jnp.asarray(rng.standard_normal((64, 2048)), dtype)
-    w = jnp.asarray(rng.standard_normal((96, 2048)) / np.sqrt(2048), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((96, 2048)) / np.sqrt(2048), w_dtype)
     exact, scale = _float64_logits(x, w)
     y = np.asarray(jax.jit(router.logits)(x, w), np.float64)
-    highest = np.asarray(jnp.matmul(x.astype(jnp.float32), w.T, precision="highest"), np.float64)
+    highest = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32).T, precision="highest"), np.float64)
     err, err_highest = np.max(np.abs(y - exact) / scale), np.max(np.abs(highest - exact) / scale)
     assert err < 2e-6 and err <= 4 * err_highest + 1e-7, (err, err_highest)
-    scope = "logits_bf16x3" if dtype == jnp.bfloat16 else "logits_float32"
-    assert f"moe_jax.router.{scope}" in jax.jit(router.logits).lower(x, w).compile().as_text()
+    scope = f"logits_bf16x{router.bf16_parts(w_dtype)}" if dtype == jnp.bfloat16 else "logits_float32"
+    hlo = jax.jit(router.logits).lower(x, w).compile().as_text()
+    assert f"moe_jax.router.{scope}" in hlo
+    if dtype == jnp.bfloat16:  # the matmul's weight operand has parts x 96 rows
+        rows = 96 * router.bf16_parts(w_dtype)
+        assert re.search(rf"bf16\[(64,{rows}|{rows},64)\]|f32\[(64,{rows}|{rows},64)\]", hlo), scope
+
+
+def test_bf16_weights_give_the_float32_weights_logits(rng):
+    # The same values stored in bf16 and in float32: one part against three (two of them zero),
+    # the same logits but for the sign of a zero.
+    x = jnp.asarray(rng.standard_normal((32, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((24, 512)) / 20, jnp.bfloat16)
+    one, three = (np.asarray(jax.jit(router.logits)(x, v)) for v in (w, w.astype(jnp.float32)))
+    np.testing.assert_array_equal(one, three)
 
 
 def test_logits_choose_the_float64_top_k_between_near_ties(rng):

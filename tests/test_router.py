@@ -284,12 +284,14 @@ def test_logits_have_float32_accuracy(rng, dtype, w_dtype):
 
 
 def test_bf16_weights_give_the_float32_weights_logits(rng):
-    # The same values stored in bf16 and in float32: one part against three (two of them zero),
-    # the same logits but for the sign of a zero.
+    # The same values stored in bf16 and in float32: one part against three (two of them zero).
+    # The same sums of exact products; a GPU's GEMM may order them differently for 24 and 72
+    # columns, so equal within float32's rounding of sum |x w|.
     x = jnp.asarray(rng.standard_normal((32, 512)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((24, 512)) / 20, jnp.bfloat16)
-    one, three = (np.asarray(jax.jit(router.logits)(x, v)) for v in (w, w.astype(jnp.float32)))
-    np.testing.assert_array_equal(one, three)
+    one, three = (np.asarray(jax.jit(router.logits)(x, v), np.float64) for v in (w, w.astype(jnp.float32)))
+    _, scale = _float64_logits(x, w.astype(jnp.float32))
+    assert np.max(np.abs(one - three) / scale) < 8 * np.finfo(np.float32).eps
 
 
 def test_logits_choose_the_float64_top_k_between_near_ties(rng):

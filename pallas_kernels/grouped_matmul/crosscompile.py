@@ -190,8 +190,8 @@ def compile_weight_grad(capability: int, *, n: int, k: int, rows: int, experts: 
                                         out_dtype=out_dtype)
     return crosscompile.compile_jit(
         triton_weight_grad.kernel_function(), signature=triton_weight_grad.signature(spec),
-        constexprs=spec.constexprs(), capability=capability, num_warps=spec.tile.num_warps,
-        num_stages=spec.tile.num_stages, name=f"native_weight_grad_{spec.out_dtype.name}", with_sass=with_sass)
+        constexprs=spec.constexprs(), capability=capability, num_warps=spec.config.num_warps,
+        num_stages=spec.config.num_stages, name=f"native_weight_grad_{spec.out_dtype.name}", with_sass=with_sass)
 
 
 def table_keys(capability: int) -> list[Key]:

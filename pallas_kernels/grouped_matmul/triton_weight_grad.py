@@ -98,18 +98,11 @@ def _kernel(plan_tile_ptr, plan_row_ptr, plan_end_ptr, steps_ptr, x_ptr, dy_ptr,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Spec:
-    """Everything static about one launch (hashable: it keys the jit cache)."""
+class Spec(pallas_triton.WeightGradSpec):
+    """Everything static about one launch (hashable: it keys the jit cache): the Pallas kernel's
+    description (``config`` is the tile) and the persistent grid."""
 
-    tile: TileConfig
-    num_experts: int
-    num_rows: int
-    n: int
-    k: int
-    block_n: int
-    block_k: int
     num_programs: int
-    out_dtype: np.dtype
 
     @property
     def num_tiles(self) -> int:
@@ -123,11 +116,11 @@ class Spec:
         block_m)) <= 1 + rows / block_m`` steps each, which sum to at most ``E + M / block_m``."""
         per_expert = self.num_tiles // self.num_experts
         rounds_per_expert = -(-per_expert // self.num_programs) + 1
-        return rounds_per_expert * (self.num_experts + -(-self.num_rows // self.tile.block_m))
+        return rounds_per_expert * (self.num_experts + -(-self.num_rows // self.config.block_m))
 
     def constexprs(self) -> dict:
-        return dict(K=self.k, N=self.n, MAX_STEPS=self.max_steps, BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n,
-                    BLOCK_K=self.block_k, NUM_STAGES=self.tile.num_stages)
+        return dict(K=self.k, N=self.n, MAX_STEPS=self.max_steps, BLOCK_M=self.config.block_m, BLOCK_N=self.block_n,
+                    BLOCK_K=self.block_k, NUM_STAGES=self.config.num_stages)
 
 
 def make_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capability: int, out_dtype,
@@ -144,7 +137,7 @@ def make_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capabi
     block_n = tuning.fit_block(tile.block_n, n, N_MULTIPLE)
     block_k = tuning.fit_block(tile.block_k, k, N_MULTIPLE)
     tiles = num_experts * (n // block_n) * (k // block_k)
-    return Spec(tile=tile, num_experts=num_experts, num_rows=num_rows, n=n, k=k, block_n=block_n, block_k=block_k,
+    return Spec(config=tile, num_experts=num_experts, num_rows=num_rows, n=n, k=k, block_n=block_n, block_k=block_k,
                 num_programs=min(num_programs or sm_count(), tiles), out_dtype=np.dtype(out_dtype))
 
 
@@ -173,7 +166,7 @@ def plan(spec: Spec, starts_e, ends_e) -> tuple[jax.Array, jax.Array, jax.Array,
     tile_pr = jnp.arange(p_count, dtype=jnp.int32)[:, None] + p_count * jnp.arange(rounds, dtype=jnp.int32)[None, :]
     valid_pr = tile_pr < spec.num_tiles
     expert_pr = jnp.minimum(tile_pr, spec.num_tiles - 1) // per_expert
-    steps_e = jnp.maximum(-(-(ends_e - starts_e) // spec.tile.block_m), 1)
+    steps_e = jnp.maximum(-(-(ends_e - starts_e) // spec.config.block_m), 1)
     steps_pr = jnp.where(valid_pr, steps_e[expert_pr], 0)
     first_pr = jnp.cumsum(steps_pr, axis=1) - steps_pr  # a tile's first step in its program
     # Each step's round: mark every tile's first step with its round, then carry it forward.
@@ -185,7 +178,7 @@ def plan(spec: Spec, starts_e, ends_e) -> tuple[jax.Array, jax.Array, jax.Array,
     step_ps = jnp.arange(s_count, dtype=jnp.int32)[None, :] - jnp.take_along_axis(first_pr, round_ps, axis=1)
     tile_ps = jnp.minimum(rows_p + p_count * round_ps, spec.num_tiles - 1).astype(jnp.int32)
     expert_ps = tile_ps // per_expert
-    row_ps = starts_e[expert_ps] + step_ps * spec.tile.block_m
+    row_ps = starts_e[expert_ps] + step_ps * spec.config.block_m
     return tile_ps, row_ps, ends_e[expert_ps], jnp.sum(steps_pr, axis=1, dtype=jnp.int32)
 
 
@@ -235,7 +228,7 @@ def launch(spec: Spec, x_mk, dy_mn, group_sizes_e, out=None) -> jax.Array:
         dw = jax_triton.triton_call(
             *operands, kernel=_kernel,
             out_shape=jax.ShapeDtypeStruct((spec.num_experts, spec.n, spec.k), spec.out_dtype),
-            grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
+            grid=(spec.num_programs,), num_warps=spec.config.num_warps, num_stages=spec.config.num_stages, name=name,
             input_output_aliases={len(operands) - 1: 0} if aliased else None, **spec.constexprs())
     return triton_lang._same_varying_axes([dw], operands)[0]
 

@@ -88,6 +88,6 @@ def test_kimi_k2_s_last_experts():
 def test_the_sm90_table_tile():
     """The capability's own tile (64-row steps, 128 x 256 output tiles), one program."""
     tile = triton_weight_grad.make_spec(num_rows=4096, num_experts=2, n=128, k=256, compute_capability=CC,
-                                        out_dtype=np.float32).tile
+                                        out_dtype=np.float32).config
     assert (tile.block_m, tile.block_n, tile.block_k) == (64, 128, 256)
     weight_grad([70, 130], n=128, k=256, tile=tile, num_programs=1, seed=5)

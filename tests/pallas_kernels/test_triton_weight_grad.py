@@ -67,9 +67,9 @@ def test_the_grid_is_one_program_per_sm_at_most_one_per_tile():
     spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
                                         out_dtype=np.float32)
     assert spec.num_programs == triton_weight_grad.DEFAULT_PROGRAMS
-    assert spec.tile == tuning.NATIVE_WEIGHT_GRAD_TILES[90][1]
+    assert spec.config == tuning.NATIVE_WEIGHT_GRAD_TILES[90][1]
     # The Pallas kernel's tile with the plan's two stages.
-    assert spec.tile.num_stages == tuning.WEIGHT_GRAD_TILES[90][1].num_stages + triton_weight_grad.PLAN_STAGES
+    assert spec.config.num_stages == tuning.WEIGHT_GRAD_TILES[90][1].num_stages + triton_weight_grad.PLAN_STAGES
 
 
 @pytest.mark.parametrize("cc", sorted(MMA))

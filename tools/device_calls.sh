@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The measurements queued for the next device session (benchmarks/NOTES.md, section 7, "Next"),
+# one device call each, every step bounded by `timeout` so that a hang cannot eat the call's
+# 600 s. Run on the GPU machine from the repository root, carrying `.whl` (the jax-triton wheel
+# and `base_699d0b3.tgz`, `git archive 699d0b3 moe_jax pallas_kernels sharding | gzip`):
+#
+#   GIT_COMMIT=<sha> bash tools/device_calls.sh CALL "$OUT"
+#
+# CALL (in the order to run them; the GPU check itself is `tools/gpu_check.sh`, its own call):
+#   layer     the Kimi K2 layer before (699d0b3's library) and after, same machine, then where
+#             the 8192-token layer's time goes (~410 s)
+#   probes    the W4A8 probe at 65536 and 8192 rows, its tile edges on irregular routing, and the
+#             layer as NVIDIA's export loads (bf16 shared expert and router) profiled (~330 s)
+#   training  the bf16 training step and its GEMMs with the native weight gradient beside the
+#             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
+#   ws        the warp-specialized candidate with its extra rows in the token ring: correctness
+#             first, then timing (~350 s)
+# Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
+# wrote and the next step still runs; the script exits non-zero if any step failed.
+set -u
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
+export GIT_COMMIT=${GIT_COMMIT:-unknown}
+mkdir -p "$out"
+if ! python -c "import jax_triton" 2>/dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "device_calls: cannot install the jax-triton wheel from .whl/"; exit 2; }
+fi
+export PYTHONPATH=/tmp/site:$PWD
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: runs COMMAND under timeout, its output in $out/NAME.log
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (limit ${seconds} s): $*"
+  local start=$SECONDS
+  timeout --kill-after=20 "$seconds" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc after $((SECONDS - start)) s"
+  tail -n 5 "$out/$name.log"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+case "$call" in
+  layer)
+    mkdir -p /tmp/base && tar xzf .whl/base_699d0b3.tgz -C /tmp/base
+    step layer_base_699d0b3 170 env PYTHONPATH=/tmp/site:/tmp/base:$PWD python benchmarks/layer.py \
+      --out "$out/layer_base_699d0b3" --tokens 32 256 1024 8192 --iters 10 --impls "nvfp4 triton" "nvfp4 pallas" \
+      --skip-torch
+    step layer 170 python benchmarks/layer.py --out "$out/layer" --tokens 32 256 1024 8192 --iters 10
+    step profile_8192 120 python benchmarks/profile_layer.py --out "$out/profile_8192" --tokens 8192 \
+      --expert-gemm triton --calls 20
+    ;;
+  probes)
+    step fp8 250 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 240
+    step fp8_edges 100 python benchmarks/fp8_probe.py --out "$out/fp8_edges" --rows 65536 --routing irregular \
+      --shapes down --kernels "probe fp8" "probe w4a8" --budget-s 90
+    step export_8192 120 python benchmarks/profile_layer.py --out "$out/export_8192" --tokens 8192 \
+      --expert-gemm triton --shared-format bf16 --router-dtype bfloat16 --calls 20
+    ;;
+  training)
+    step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220
+    step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
+    ;;
+  ws)
+    step ws_smoke 200 python benchmarks/gluon_probe.py --out "$out/ws_smoke" --rows 65536 --routing irregular \
+      --once --candidates "ws bk64 s4 x2 in x"
+    step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
+      --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
+    ;;
+  *)
+    echo "device_calls: unknown call '$call' (layer, probes, training, ws)"
+    exit 2
+    ;;
+esac
+exit $failed

@@ -20,6 +20,10 @@
 set -u
 call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
 out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
+case "$call" in
+  layer|probes|training|ws) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws)"; exit 2 ;;
+esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out"
 if ! python -c "import jax_triton" 2>/dev/null; then
@@ -67,10 +71,6 @@ case "$call" in
       --once --candidates "ws bk64 s4 x2 in x"
     step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
       --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
-    ;;
-  *)
-    echo "device_calls: unknown call '$call' (layer, probes, training, ws)"
-    exit 2
     ;;
 esac
 exit $failed

@@ -15,7 +15,12 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
   table kernel's inner loop in the probe's skeleton, the baseline ``probe w4a8`` differs from only
   in its dequantization and MMA;
 * ``probe w4a8``: the NVFP4 weights placed into E4M3 in registers, E4M3 rows (in the probe's
-  column order); ``probe w4a8 s4`` with 4 pipeline stages instead of 3 (126 KB of shared memory).
+  column order); ``probe w4a8 s4`` with 4 pipeline stages instead of 3 (126 KB of shared memory);
+* ``probe w4a16 persistent``, ``probe w4a8 persistent``, ``probe fp8 persistent``: the same modes as
+  one program per SM walking its tiles in one loop of K steps (``ProbeSpec(persistent=132)``), the
+  next tile's first steps loaded while this one's last MMAs and epilogue run: against the per-tile
+  kernel of the same mode, how much of a tile's time its pipeline fill and epilogue take (the
+  down projection's 16 K steps a tile pay them in proportion).
 
 Each kernel writes into a NaN-poisoned buffer; recorded: NaN rows among the defined ones, the
 relative error of sampled rows (experts 0, 1, 191, 383) against float64 of the values that kernel
@@ -40,7 +45,10 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
+KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4",
+           "probe w4a16 persistent", "probe w4a8 persistent", "probe fp8 persistent")
+#: Programs of the persistent kernels: one per SM of an H100 or H200.
+SMS = 132
 
 
 def left(budget: float) -> float:
@@ -182,7 +190,8 @@ def main() -> None:
                     else:
                         mode = fk.Mode[label.split()[1].upper()]
                         spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
-                                            block_n=block_n, stages=4 if label.endswith(" s4") else None)
+                                            block_n=block_n, stages=4 if label.endswith(" s4") else None,
+                                            persistent=SMS if label.endswith(" persistent") else 0)
                         unread = scales_u8[:1, :1, :1]
                         weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
                                    fk.Mode.W4A8: (w.packed, scales_u8), fk.Mode.W4A16: (w.packed, scales_u8)}[mode]

@@ -11,24 +11,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "device_calls.sh"
 
 
-def _commands() -> list[tuple[str, list[str]]]:
-    """(benchmark script, its flags) for every ``python benchmarks/NAME.py`` the script runs."""
+def _commands() -> list[tuple[str, str]]:
+    """(benchmark script, the rest of its command line) for every ``python benchmarks/NAME.py``
+    the script runs."""
     text = SCRIPT.read_text().replace("\\\n", " ")
-    found = []
-    for line in text.splitlines():
-        match = re.search(r"python (benchmarks/\w+\.py)(.*)", line)
-        if match:
-            found.append((match.group(1), re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", match.group(2))))
-    return found
+    return [(m.group(1), m.group(2)) for line in text.splitlines()
+            if (m := re.search(r"python (benchmarks/\w+\.py)(.*)", line))]
 
 
-def test_every_benchmark_and_flag_exists():
+def test_every_benchmark_flag_and_kernel_name_exists():
+    """Each flag is one the benchmark defines, and each name after ``--kernels`` or
+    ``--candidates`` one of its labels (``gluon_probe.py`` would run nothing for a misspelt one)."""
     commands = _commands()
     assert len(commands) >= 8, commands
-    for script, flags in commands:
+    for script, args in commands:
         source = (ROOT / script).read_text()
-        for flag in flags:
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args):
             assert f'"{flag}"' in source, f"{script} defines no {flag}"
+        for names in re.findall(r"--(?:kernels|candidates)((?:\s+\"[^\"]+\")+)", args):
+            for name in re.findall(r'"([^"]+)"', names):
+                assert f'"{name}"' in source, f"{script} has no kernel or candidate {name!r}"
 
 
 def test_the_script_parses_and_refuses_an_unknown_call(tmp_path):

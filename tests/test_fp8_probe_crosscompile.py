@@ -2,7 +2,9 @@
 was written to be: in every mode and both projections, ``wgmma`` with the weight tile as its A
 operand (bf16 ``k16`` or E4M3 ``k32``; W4A16's and W4A8's from registers), no register spills, shared memory within the
 SM's; and the W4A8 K loop dequantizes in registers, with no shared-memory round trip of the
-dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's."""
+dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's.
+The persistent variant: in every mode pipelined across tiles as far ahead as the per-tile kernel,
+and each tile's stores after a wait for every MMA (``fp8_probe_kernel._mma_done``)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op, Varian
 SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
 
 
-def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None):
+def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None, persistent: int = 0):
     k, n_out = SHAPES[op]
-    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, stages=stages)
-    return crosscompile.compile_jit(fk._kernel, signature=spec.signature(), constexprs=spec.constexprs(),
+    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, stages=stages,
+                        persistent=persistent, block_n=64 if op is Op.GATE_UP_SWIGLU else 128)
+    return crosscompile.compile_jit(spec.kernel, signature=spec.signature(), constexprs=spec.constexprs(),
                                     capability=90, num_warps=spec.num_warps, num_stages=spec.num_stages,
                                     name=f"fp8_probe_{mode.name.lower()}_{op.value}", with_sass=with_sass)
 
@@ -53,6 +56,29 @@ def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, o
     a_operand = r"\{" if mode in (fk.Mode.W4A8, fk.Mode.W4A16) else r"%rd\d+"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+{shape} \{{[^}}]*\}}, {a_operand}", kernel.ptx)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
+@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
+def test_the_persistent_loop_is_pipelined_and_waits_for_its_mmas_before_each_store(mode, op):
+    """Three buffers of each row tile (the rows two steps ahead of the MMA, as the per-tile
+    kernel's), no spills, the SM's shared memory; and in the PTX every store of a tile's epilogue
+    comes after ``wgmma.wait_group 0`` and before any further MMA (Triton 3.6 leaves up to 15
+    register-operand groups in flight there)."""
+    kernel = _compile(mode, op, persistent=132)
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+    rows = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(128|64)x128x", kernel.ttgir)
+    if mode is not fk.Mode.BF16:  # bf16's 2 + 2 stages (3 would not fit): two buffers
+        assert {("3", "128"), ("3", "64")} <= set(rows), rows
+    events = re.findall(r"(wgmma\.wait_group\.sync\.aligned (\d+)|st\.global|wgmma\.mma_async)", kernel.ptx)
+    waited = False
+    for event, pending in ((e[0], e[1]) for e in events):
+        if event.startswith("wgmma.wait_group"):
+            waited = waited or pending == "0"
+        elif event == "wgmma.mma_async":
+            waited = False
+        else:
+            assert waited, "a store reads the accumulator while MMAs may be in flight"
 
 
 def test_the_harness_s_four_stage_w4a8_variant_fits():

@@ -8,9 +8,10 @@
 #
 # CALL (in the order to run them; the GPU check itself is `tools/gpu_check.sh`, its own call):
 #   layer     the Kimi K2 layer before (699d0b3's library) and after, same machine, then where
-#             the 8192-token layer's time goes (~410 s)
-#   probes    the W4A8 probe at 65536 and 8192 rows, its tile edges on irregular routing, and the
-#             layer as NVIDIA's export loads (bf16 shared expert and router) profiled (~330 s)
+#             the 8192-token layer's time goes, as MoEConfig.kimi_k2 makes it and as NVIDIA's
+#             export loads (bf16 shared expert and router) (~450 s)
+#   probes    the W4A8 probe at 65536 and 8192 rows; the persistent probe against the per-tile
+#             kernels at 65536 rows; both on irregular routing (every tile kind and its edges) (~450 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
 #   ws        the warp-specialized candidate with its extra rows in the token ring: correctness
@@ -52,15 +53,19 @@ case "$call" in
       --out "$out/layer_base_699d0b3" --tokens 32 256 1024 8192 --iters 10 --impls "nvfp4 triton" "nvfp4 pallas" \
       --skip-torch
     step layer 170 python benchmarks/layer.py --out "$out/layer" --tokens 32 256 1024 8192 --iters 10
-    step profile_8192 120 python benchmarks/profile_layer.py --out "$out/profile_8192" --tokens 8192 \
+    step profile_8192 100 python benchmarks/profile_layer.py --out "$out/profile_8192" --tokens 8192 \
       --expert-gemm triton --calls 20
+    step export_8192 90 python benchmarks/profile_layer.py --out "$out/export_8192" --tokens 8192 \
+      --expert-gemm triton --shared-format bf16 --router-dtype bfloat16 --calls 10
     ;;
   probes)
-    step fp8 250 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 240
-    step fp8_edges 100 python benchmarks/fp8_probe.py --out "$out/fp8_edges" --rows 65536 --routing irregular \
-      --shapes down --kernels "probe fp8" "probe w4a8" --budget-s 90
-    step export_8192 120 python benchmarks/profile_layer.py --out "$out/export_8192" --tokens 8192 \
-      --expert-gemm triton --shared-format bf16 --router-dtype bfloat16 --calls 20
+    step fp8 210 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 200 --kernels \
+      "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
+    step persistent 160 python benchmarks/fp8_probe.py --out "$out/persistent" --rows 65536 --budget-s 150 \
+      --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent" "probe w4a8" "probe w4a8 persistent" \
+      "probe fp8 persistent"
+    step probe_edges 100 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
+      --shapes down --kernels "probe fp8" "probe w4a8" "probe w4a16 persistent" "probe w4a8 persistent" --budget-s 90
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220

@@ -262,9 +262,9 @@ def test_bf16_parts_are_as_many_as_the_stored_weights_need(rng, w_dtype, parts):
     np.testing.assert_array_equal(got.sum(0), np.asarray(w, np.float64))
 
 
-@pytest.mark.parametrize("dtype,w_dtype", [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float16),
-                                           (jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
-def test_logits_have_float32_accuracy(rng, dtype, w_dtype):
+@pytest.mark.parametrize("dtype,w_dtype,parts", [(jnp.bfloat16, jnp.float32, 3), (jnp.bfloat16, jnp.float16, 2),
+                                                 (jnp.bfloat16, jnp.bfloat16, 1), (jnp.float32, jnp.float32, None)])
+def test_logits_have_float32_accuracy(rng, dtype, w_dtype, parts):
     # Against float64: each logit within a few float32 roundings of sum |x_h w_h| (a TF32 or bf16
     # product would be ~1e-3 of it), and no worse than a float32 matmul at HIGHEST; one bf16
     # matmul of bf16 x against as many bf16 parts of w as its stored dtype needs.
@@ -275,12 +275,13 @@ def test_logits_have_float32_accuracy(rng, dtype, w_dtype):
     highest = np.asarray(jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32).T, precision="highest"), np.float64)
     err, err_highest = np.max(np.abs(y - exact) / scale), np.max(np.abs(highest - exact) / scale)
     assert err < 2e-6 and err <= 4 * err_highest + 1e-7, (err, err_highest)
-    scope = f"logits_bf16x{router.bf16_parts(w_dtype)}" if dtype == jnp.bfloat16 else "logits_float32"
+    scope = f"logits_bf16x{parts}" if dtype == jnp.bfloat16 else "logits_float32"
     hlo = jax.jit(router.logits).lower(x, w).compile().as_text()
     assert f"moe_jax.router.{scope}" in hlo
-    if dtype == jnp.bfloat16:  # the matmul's weight operand has parts x 96 rows
-        rows = 96 * router.bf16_parts(w_dtype)
-        assert re.search(rf"bf16\[(64,{rows}|{rows},64)\]|f32\[(64,{rows}|{rows},64)\]", hlo), scope
+    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        # The matmul's output has parts x 96 columns (XLA:CPU leaves it whole; a GPU's GEMM
+        # fusion may fold the parts' sum into its epilogue).
+        assert re.search(rf"f32\[(64,{96 * parts}|{96 * parts},64)\]", hlo), scope
 
 
 def test_bf16_weights_give_the_float32_weights_logits(rng):

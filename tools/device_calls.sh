@@ -59,13 +59,15 @@ case "$call" in
       --expert-gemm triton --shared-format bf16 --router-dtype bfloat16 --calls 10
     ;;
   probes)
-    step fp8 210 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 200 --kernels \
+    step fp8 190 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 180 --kernels \
       "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
-    step persistent 160 python benchmarks/fp8_probe.py --out "$out/persistent" --rows 65536 --budget-s 150 \
-      --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent" "probe w4a8" "probe w4a8 persistent" \
-      "probe fp8 persistent"
-    step probe_edges 100 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
-      --shapes down --kernels "probe fp8" "probe w4a8" "probe w4a16 persistent" "probe w4a8 persistent" --budget-s 90
+    step persistent_down 150 python benchmarks/fp8_probe.py --out "$out/persistent_down" --rows 65536 --shapes down \
+      --budget-s 140 --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent" "probe w4a8" \
+      "probe w4a8 persistent" "probe fp8 persistent"
+    step persistent_gate_up 90 python benchmarks/fp8_probe.py --out "$out/persistent_gate_up" --rows 65536 \
+      --shapes gate_up --budget-s 80 --kernels "probe w4a16" "probe w4a16 persistent"
+    step probe_edges 90 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
+      --shapes down --kernels "probe fp8" "probe w4a8" "probe w4a16 persistent" "probe w4a8 persistent" --budget-s 80
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220

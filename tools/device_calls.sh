@@ -16,14 +16,16 @@
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
 #   ws        the warp-specialized candidate with its extra rows in the token ring: correctness
 #             first, then timing (~350 s)
+#   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
+#             W4A16 per tile and persistent (tensor pipe, issue slots, stalls; ~200 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|ncu OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|ncu OUT}
 case "$call" in
-  layer|probes|training|ws) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws)"; exit 2 ;;
+  layer|probes|training|ws|ncu) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws, ncu)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out"
@@ -78,6 +80,13 @@ case "$call" in
       --once --candidates "ws bk64 s4 x2 in x"
     step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
       --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
+    ;;
+  ncu)  # one kernel launch each, in this order: table, probe per tile, probe persistent
+    step ncu_down 240 ncu --clock-control none --kernel-name regex:"^_(persistent_)?kernel" --launch-count 3 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
+      --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
+      --once --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent"
     ;;
 esac
 exit $failed

@@ -76,7 +76,7 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
                BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
                T_SCALES: gl.constexpr, W_COPY: gl.constexpr, S_COPY: gl.constexpr, X_SMEM: gl.constexpr,
-               PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr, X2_IN_X: gl.constexpr):
+               PLAIN_SMEM: gl.constexpr, STORE: gl.constexpr, X2_IN_X: gl.constexpr, X2_ROWS: gl.constexpr):
     """One ring and three partitions per program; each partition walks the same work items
     (``program_id``, then every ``num_programs``-th: one item when the grid has one program per
     item, persistent when it has one per SM), so the producer loads the next tile while the
@@ -111,22 +111,23 @@ def _ws_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_sc
     gl.warp_specialize([
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
                      tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
-                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 0, X2_IN_X)),
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 0, X2_IN_X, X2_ROWS)),
         (_consumer, (x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_ptr, tile_start_ptr,
                      tile_end_ptr, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, NUM_TILES, BLOCK_K, GROUP_T,
-                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 1, X2_IN_X)),
+                     NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, 1, X2_IN_X, X2_ROWS)),
         (_producer, (x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                      x_ptr, w_ptr, w_scale_ptr, NUM_ROWS, NUM_EXPERTS, K, N_OUT, N_W, FUSED, WEIGHTS, NUM_TILES,
-                     BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)),
+                     BLOCK_K, GROUP_T, NUM_STAGES, W_COPY, S_COPY, X2_IN_X, X2_ROWS)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _extra_rows(x_smem, x2_smem, stage, X2_IN_X: gl.constexpr):
-    """Stage ``stage``'s 64 extra token rows of a 192-row tile: rows 128..191 of the token ring's
-    stage (``WsSpec.x2_in_x``), or the stage of their own ring."""
+def _extra_rows(x_smem, x2_smem, stage, X2_IN_X: gl.constexpr, X2_ROWS: gl.constexpr = 64):
+    """Stage ``stage``'s extra token rows of a 192-row tile: rows 128..191 of the token ring's
+    stage (``WsSpec.x2_in_x``; 128..255 with ``X2_ROWS`` 128, ``WsSpec.x2_as_128``), or the stage
+    of their own ring."""
     if X2_IN_X:
-        return x_smem.index(stage).slice(128, 64, dim=0)
+        return x_smem.index(stage).slice(128, X2_ROWS, dim=0)
     else:
         return x2_smem.index(stage)
 
@@ -167,7 +168,7 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
               w_ptr, w_scale_ptr, NUM_ROWS: gl.constexpr, NUM_EXPERTS: gl.constexpr, K: gl.constexpr,
               N_OUT: gl.constexpr, N_W: gl.constexpr, FUSED: gl.constexpr, WEIGHTS: gl.constexpr,
               NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-              W_COPY: gl.constexpr, S_COPY: gl.constexpr, X2_IN_X: gl.constexpr):
+              W_COPY: gl.constexpr, S_COPY: gl.constexpr, X2_IN_X: gl.constexpr, X2_ROWS: gl.constexpr):
     # Token tiles of 64 rows (the 64-row tile and the extra 64 of a 192-row one) and of 128.
     x64_desc = tma.make_tensor_descriptor(x_ptr, shape=[NUM_ROWS, K], strides=[K, 1], block_shape=[64, BLOCK_K],
                                           layout=x2_smem.type.layout)
@@ -201,6 +202,10 @@ def _producer(x_smem, x2_smem, w_smem, s_smem, full, empty, tile_expert_ptr, til
             elif rows <= 128:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
                                    row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 0,
+                                   BLOCK_K, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)
+            elif X2_ROWS == 128:  # the extra rows loaded as 128 (the tile's next 128 rows, masked on store)
+                it = _produce_tile(x128_desc, x128_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
+                                   row_start, expert, j, w_ptr, w_scale_ptr, K, N_OUT, N_W, FUSED, WEIGHTS, 128, 128,
                                    BLOCK_K, NUM_STAGES, W_COPY, S_COPY, X2_IN_X)
             else:
                 it = _produce_tile(x128_desc, x64_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full, empty, it,
@@ -243,7 +248,7 @@ def _produce_tile(x_desc, x2_desc, w_desc, x_smem, x2_smem, w_smem, s_smem, full
                                         x_smem.index(stage).slice(0, BLOCK_M, dim=0))
         if EXTRA_M > 0:
             tma.async_copy_global_to_shared(x2_desc, [row_start + BLOCK_M, i * BLOCK_K], bar,
-                                            _extra_rows(x_smem, x2_smem, stage, X2_IN_X))
+                                            _extra_rows(x_smem, x2_smem, stage, X2_IN_X, EXTRA_M))
         if WEIGHTS == BF16_T:
             for wg in gl.static_range(2):
                 tma.async_copy_global_to_shared(w_desc, [expert.to(gl.int32) * K + i * BLOCK_K,
@@ -296,7 +301,8 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_
               w_global_ptr, out_ptr, K: gl.constexpr, N_OUT: gl.constexpr, G: gl.constexpr, FUSED: gl.constexpr,
               WEIGHTS: gl.constexpr, NUM_TILES: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_T: gl.constexpr,
               NUM_STAGES: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, T_WORDS: gl.constexpr,
-              T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr, X2_IN_X: gl.constexpr):
+              T_SCALES: gl.constexpr, STORE: gl.constexpr, WG: gl.constexpr, X2_IN_X: gl.constexpr,
+              X2_ROWS: gl.constexpr):
     it = 0  # K steps consumed so far: the ring's position
     for item in range(gl.program_id(0), _num_items(N_OUT, FUSED, NUM_TILES), gl.num_programs(0)):
         expert, row_start, row_end, j = _item(item, tile_expert_ptr, tile_start_ptr, tile_end_ptr, N_OUT, FUSED,
@@ -311,10 +317,11 @@ def _consumer(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, tile_expert_
                 it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
                                    expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 0, BLOCK_K,
                                    NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG, X2_IN_X)
-            else:
-                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start, row_end,
-                                   expert, j, w_global_ptr, out_ptr, K, N_OUT, G, FUSED, WEIGHTS, 128, 64, BLOCK_K,
-                                   NUM_STAGES, WORDS, SCALES, T_WORDS, T_SCALES, STORE, WG, X2_IN_X)
+            else:  # 128 + 64 rows; with X2_ROWS 128 the extra 64 multiplied as 128 (those past 192 not stored)
+                it = _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_start,
+                                   gl.minimum(row_end, row_start + 192), expert, j, w_global_ptr, out_ptr, K, N_OUT, G,
+                                   FUSED, WEIGHTS, 128, X2_ROWS, BLOCK_K, NUM_STAGES, WORDS, SCALES, T_WORDS,
+                                   T_SCALES, STORE, WG, X2_IN_X)
 
 
 @gluon.jit
@@ -369,7 +376,7 @@ def _consume_tile(x_smem, x2_smem, w_smem, s_smem, a_smem, full, empty, it, row_
             else:
                 a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2),
                                        assert_trivial=True)
-            acc2 = warpgroup_mma(a2, _extra_rows(x_smem, x2_smem, stage, X2_IN_X).permute((1, 0)), acc2,
+            acc2 = warpgroup_mma(a2, _extra_rows(x_smem, x2_smem, stage, X2_IN_X, EXTRA_M).permute((1, 0)), acc2,
                                  is_async=True)
             acc, acc2, a_prev = warpgroup_mma_wait(2, deps=[acc, acc2, a_prev])
         else:
@@ -480,6 +487,11 @@ class WsSpec(_Spec):
     #: a ring of their own (whose rows the H200 run of b2fdced left NaN at block_k 64; the cause is
     #: not found): one experiment, 8 KB more shared memory a stage at block_k 64.
     x2_in_x: bool = False
+    #: With ``x2_in_x``: the extra rows' MMA over 128 rows (128..255 of the ring, those past the
+    #: tile's 192 not stored) instead of 64: a diagnostic for the same NaN rows. If these rows come
+    #: out right where the 64-row MMA's do not, the defect is in the N = 64 ``wgmma`` of a 128 + 64
+    #: tile (the 64-row tiles' own N = 64 MMA is right); 64 more rows of MMA per 192-row tile.
+    x2_as_128: bool = False
     kernel = _ws_kernel
 
     @property
@@ -512,8 +524,11 @@ class WsSpec(_Spec):
         return dict(super().compile_options(), maxnreg=(2 * self.consumer_regs + self.producer_regs) // 3)
 
     def constexprs(self) -> dict:
+        if self.x2_as_128 and not self.x2_in_x:
+            raise ValueError("x2_as_128: True, expected x2_in_x=True as well (the 128 rows are 128..255 of the ring)")
         return dict(super().constexprs(), NUM_ROWS=self.num_rows, NUM_EXPERTS=self.num_experts, WEIGHTS=self.weights,
                     CONSUMER_REGS=self.consumer_regs, PRODUCER_REGS=self.producer_regs, X2_IN_X=self.x2_in_x,
+                    X2_ROWS=128 if self.x2_as_128 else 64,
                     **ws_layouts(block_k=self.block_k, fused=self.fused))
 
 

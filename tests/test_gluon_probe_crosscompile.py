@@ -47,13 +47,13 @@ def test_ss_candidate_multiplies_256_weight_rows_from_shared_memory(op):
 
 
 # Each op, weight format and grid once, in four compilations rather than eight.
-@pytest.mark.parametrize(("op", "bf16", "persistent", "x2_in_x"),
-                         [(Op.GATE_UP_SWIGLU, False, 0, False), (Op.MATMUL, False, 132, False),
-                          (Op.GATE_UP_SWIGLU, True, 132, False), (Op.MATMUL, True, 0, False),
-                          (Op.GATE_UP_SWIGLU, False, 0, True)],
+@pytest.mark.parametrize(("op", "bf16", "persistent", "x2_in_x", "x2_as_128"),
+                         [(Op.GATE_UP_SWIGLU, False, 0, False, False), (Op.MATMUL, False, 132, False, False),
+                          (Op.GATE_UP_SWIGLU, True, 132, False, False), (Op.MATMUL, True, 0, False, False),
+                          (Op.GATE_UP_SWIGLU, False, 0, True, False), (Op.MATMUL, False, 0, True, True)],
                          ids=["gate_up-nvfp4", "matmul-nvfp4-persistent", "gate_up-bf16-persistent", "matmul-bf16",
-                              "gate_up-nvfp4-x2-in-x"])
-def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persistent, x2_in_x):
+                              "gate_up-nvfp4-x2-in-x", "matmul-nvfp4-x2-as-128"])
+def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persistent, x2_in_x, x2_as_128):
     """``gluon_ws_kernel``: 12 warps (two consumer warp groups, one producer warp padded to a
     group) whose registers are moved by ``setmaxnreg`` (224 per consumer, 56 for the producer);
     the producer loads by TMA (and for NVFP4 ``cp.async``) into mbarrier-tracked stages; every
@@ -63,8 +63,12 @@ def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persist
 
     k, n_out = SHAPES[op]
     spec = wk.WsSpec(op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, bf16=bf16, persistent=persistent,
-                     x2_in_x=x2_in_x)
+                     x2_in_x=x2_in_x, x2_as_128=x2_as_128)
     compiled, waits, ptx = _facts(gk.compile_kernel(spec))
+    # The extra rows' MMA: N = 64, or 128 for the diagnostic (no m64n64 MMA of a 192-row tile left).
+    n_extra = "128" if x2_as_128 else "64"
+    if not bf16:
+        assert re.search(rf"m64n{n_extra}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, \{{", ptx)
     assert re.search(r"\.reqntid\s+384\b", ptx)
     moved = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert moved >= {spec.consumer_regs, spec.producer_regs}, moved
@@ -81,6 +85,14 @@ def test_ws_candidate_is_warp_specialized_without_cta_barriers(op, bf16, persist
     named = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
     assert named and all(count == "128" for _, count in named), sorted(set(named))
     assert compiled.spill_bytes == 0 and 0 < compiled.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_ws_diagnostic_needs_the_extra_rows_in_the_token_ring():
+    from benchmarks import gluon_ws_kernel as wk  # noqa: PLC0415
+
+    spec = wk.WsSpec(op=Op.MATMUL, num_rows=1024, num_experts=8, k=2048, n_out=7168, x2_as_128=True)
+    with pytest.raises(ValueError, match=r"^x2_as_128: True, expected x2_in_x=True"):
+        spec.constexprs()
 
 
 def test_ws_candidate_reads_transposed_bf16_weights_as_the_transposed_mma_operand():

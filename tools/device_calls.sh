@@ -14,8 +14,8 @@
 #             kernels at 65536 rows; both on irregular routing (every tile kind and its edges) (~450 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
-#   ws        the warp-specialized candidate with its extra rows in the token ring: correctness
-#             first, then timing (~350 s)
+#   ws        the warp-specialized candidate with its extra rows in the token ring, and multiplied
+#             as 128 rows (two experiments on its NaN rows): correctness first, then timing (~350 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 per tile and persistent (tensor pipe, issue slots, stalls; ~200 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
@@ -77,7 +77,7 @@ case "$call" in
     ;;
   ws)
     step ws_smoke 200 python benchmarks/gluon_probe.py --out "$out/ws_smoke" --rows 65536 --routing irregular \
-      --once --candidates "ws bk64 s4 x2 in x"
+      --once --candidates "ws bk64 s4 x2 in x" "ws bk64 s4 x2 as 128"
     step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
       --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
     ;;

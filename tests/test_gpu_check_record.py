@@ -348,3 +348,35 @@ def test_the_script_records_a_cut_off_pass_and_continues_it_with_the_first_calls
             == (tmp_path / "call1" / "pass1_collected.txt").read_text())  # the first call's list
     record2 = (tmp_path / "call2" / "gpu_check.md").read_text()
     assert record2.startswith("# GPU check: passed") and "continues an earlier call" in record2
+
+
+_FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+if [[ "$*" == *nounits* ]]; then echo "$FAKE_GPU_MIB"; else echo "0, $FAKE_GPU_NAME, 580.159.04, $FAKE_GPU_MIB MiB"; fi
+"""
+
+
+@pytest.mark.parametrize(("gpu", "mib", "override", "workers"),
+                         [("NVIDIA H200", 143771, None, 4), ("NVIDIA H100 80GB HBM3", 81559, None, 2),
+                          ("NVIDIA H100 80GB HBM3", 81559, "3", 3)])
+def test_the_script_runs_fewer_workers_on_a_gpu_of_less_memory(tmp_path, gpu, mib, override, workers):
+    """Four workers that have each run a Kimi K2-size bf16 test hold ~120 GB: an H200 has room, an
+    80 GB H100 takes two unless told otherwise."""
+    root = TOOL.parents[1]
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text(_FAKE_NVIDIA_SMI)
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    (tmp_path / "python").write_text(_FAKE_PYTHON)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "pytest.py").write_text("import sys\nxml = next(a.split('=', 1)[1] for a in sys.argv if "
+                                        "a.startswith('--junitxml='))\nopen(xml, 'w').write('<testsuites/>')\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")},
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_GPU_MIB": str(mib), "FAKE_GPU_NAME": gpu,
+           "PYTHON": str(tmp_path / "python"), "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "pytest.py"),
+           "GIT_COMMIT": "abc123", "GIT_DIRTY": "0", "GPU_CHECK_PASSES": "1", "GPU_CHECK_SKIP_DEMO": "1"}
+    if override is not None:
+        env["GPU_CHECK_WORKERS"] = override
+    subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / "out")], env=env,
+                   capture_output=True, text=True, timeout=120)
+    spec = (tmp_path / "out" / "pass_1gpu.spec").read_text()
+    assert f" -n {workers} " in spec, spec
+    assert gpu in (tmp_path / "out" / "device.txt").read_text()

@@ -33,12 +33,13 @@
 #   GPU_CHECK_MARKS="expr"         pass 1's marker expression (default: "gpu or gpu_check"; "" for all)
 #   GPU_CHECK_PASS2="paths/args"   pytest selection of pass 2, run with -m gpu (default: tests)
 #   GPU_CHECK_PASSES="1 2"         which passes to run (e.g. "2" for pass 2 in a call of its own)
-#   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist). Not more: the tests
+#   GPU_CHECK_WORKERS=4            pytest-xdist workers per pass (0: no xdist). Default 4, or 2 where a
+#                                  GPU has less than 100 GiB (an H100's 80): a worker that has run a
+#                                  Kimi K2-size bf16 test keeps ~30 GB of GPU memory in its allocator,
+#                                  so four need more than an H100 holds. Not more than 4: the tests
 #                                  are compile- and host-bound, and 4 workers already slow each test
 #                                  1.4-1.9x against running alone; at 5 (6e4061a) every file's tests
-#                                  took 1.2-1.6x their 4-worker time, and a worker that has run a
-#                                  Kimi K2-size bf16 test keeps ~30 GB of GPU memory in its allocator
-#                                  (benchmarks/NOTES.md, section 7)
+#                                  took 1.2-1.6x their 4-worker time (benchmarks/NOTES.md, section 7)
 #   GPU_CHECK_BLAS_THREADS=N       NumPy's BLAS threads per pytest process (default: CPU cores /
 #                                  workers, 4 on the H200 machine; 0: leave OPENBLAS_NUM_THREADS and
 #                                  OMP_NUM_THREADS alone): four workers' float64 references with a
@@ -76,7 +77,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-workers=${GPU_CHECK_WORKERS:-4}
+# The smallest GPU's memory in MiB (none without nvidia-smi: the CPU tests of this script).
+gpu_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1)"
+if [[ "$gpu_mib" =~ ^[0-9]+$ ]] && (( gpu_mib < 102400 )); then workers=${GPU_CHECK_WORKERS:-2}; else workers=${GPU_CHECK_WORKERS:-4}; fi
 left() { echo $(( budget - ($(date +%s) - start) )); }
 min() { if (( $1 < $2 )); then echo "$1"; else echo "$2"; fi; }
 max() { if (( $1 > $2 )); then echo "$1"; else echo "$2"; fi; }

@@ -79,7 +79,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 budget=${GPU_CHECK_BUDGET_S:-540}
 # The smallest GPU's memory in MiB (none without nvidia-smi: the CPU tests of this script).
 gpu_mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1)"
-if [[ "$gpu_mib" =~ ^[0-9]+$ ]] && (( gpu_mib < 102400 )); then workers=${GPU_CHECK_WORKERS:-2}; else workers=${GPU_CHECK_WORKERS:-4}; fi
+default_workers=4
+if [[ "$gpu_mib" =~ ^[0-9]+$ ]] && (( gpu_mib < 102400 )); then default_workers=2; fi
+workers=${GPU_CHECK_WORKERS:-$default_workers}
 left() { echo $(( budget - ($(date +%s) - start) )); }
 min() { if (( $1 < $2 )); then echo "$1"; else echo "$2"; fi; }
 max() { if (( $1 > $2 )); then echo "$1"; else echo "$2"; fi; }

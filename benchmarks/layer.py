@@ -238,7 +238,8 @@ def markdown(results: dict) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows if "tokens" in r))
     by = {(r["impl"], r.get("tokens")): r for r in rows}
     lines = [f"# Whole Kimi K2 MoE layer, one GPU ({meta['device']})", "",
-             f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`.", "",
+             f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`"
+             + (f", library imported from `{meta['library']}`" if "library" in meta else "") + ".", "",
              f"384 experts on one GPU, top-8, hidden 7168, intermediate 2048, one shared expert in the routed "
              f"experts' format (MoEConfig.kimi_k2's default); "
              f"ms per call, median of 5 windows of {meta['iters']} calls. Copy bandwidth in this run: "
@@ -323,7 +324,9 @@ def main() -> None:
     results = {"meta": {"device": device.device_kind, "date": datetime.date.today().isoformat(),
                         "commit": os.environ.get("GIT_COMMIT", "unknown"), "iters": args.iters,
                         "python": platform.python_version(), "jax": jax.__version__,
-                        "command": "python benchmarks/layer.py " + " ".join(sys.argv[1:])},
+                        "command": "python benchmarks/layer.py " + " ".join(sys.argv[1:]),
+                        # where the measured library came from: a base tree beside this one must say so
+                        "library": str(pathlib.Path(moe_jax.__file__).resolve().parent.parent)},
                "rows": []}
 
     def save():

@@ -39,3 +39,15 @@ def test_the_script_parses_and_refuses_an_unknown_call(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ""})
     assert out.returncode == 2 and "unknown call 'nonsense'" in out.stdout, out
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_the_base_layer_runs_from_the_base_tree():
+    """``layer.py`` puts the tree it sits in first on ``sys.path``, so a base library run from main's
+    tree measures main (2f15176's call did): the base's step runs from its own tree."""
+    assert "sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))" in (
+        ROOT / "benchmarks" / "layer.py").read_text()
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    base = [line for line in text.splitlines() if "layer_base" in line and "benchmarks/layer.py" in line]
+    assert base, "no base layer step"
+    for line in base:
+        assert "env -C /tmp/base" in line and "$PWD" not in line, line

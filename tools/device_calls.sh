@@ -28,7 +28,7 @@ case "$call" in
   *) echo "device_calls: unknown call '$call' (layer, probes, training, ws, ncu)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
 if ! python -c "import jax_triton" 2>/dev/null; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "device_calls: cannot install the jax-triton wheel from .whl/"; exit 2; }
@@ -50,8 +50,10 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under timeout, its output
 
 case "$call" in
   layer)
-    mkdir -p /tmp/base && tar xzf .whl/base_699d0b3.tgz -C /tmp/base
-    step layer_base_699d0b3 170 env PYTHONPATH=/tmp/site:/tmp/base:$PWD python benchmarks/layer.py \
+    # layer.py puts the tree it sits in first on sys.path, so the base runs from a tree of its own
+    # (its page names the library it imported; 2f15176's call measured main twice without this)
+    mkdir -p /tmp/base && tar xzf .whl/base_699d0b3.tgz -C /tmp/base && cp -r benchmarks /tmp/base/
+    step layer_base_699d0b3 170 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/layer.py \
       --out "$out/layer_base_699d0b3" --tokens 32 256 1024 8192 --iters 10 --impls "nvfp4 triton" "nvfp4 pallas" \
       --skip-torch
     step layer 170 python benchmarks/layer.py --out "$out/layer" --tokens 32 256 1024 8192 --iters 10

@@ -9,7 +9,8 @@
 # CALL (in the order to run them; the GPU check itself is `tools/gpu_check.sh`, its own call):
 #   layer     the Kimi K2 layer before (699d0b3's library) and after, same machine, then where
 #             the 8192-token layer's time goes, as MoEConfig.kimi_k2 makes it and as NVIDIA's
-#             export loads (bf16 shared expert and router) (~450 s)
+#             export loads (bf16 shared expert and router); the router's top-k by formulation
+#             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
 #   probes    the W4A8 probe at 65536 and 8192 rows; the persistent probe against the per-tile
 #             kernels at 65536 rows; both on irregular routing (every tile kind and its edges) (~450 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
@@ -53,14 +54,15 @@ case "$call" in
     # layer.py puts the tree it sits in first on sys.path, so the base runs from a tree of its own
     # (its page names the library it imported; 2f15176's call measured main twice without this)
     mkdir -p /tmp/base && tar xzf .whl/base_699d0b3.tgz -C /tmp/base && cp -r benchmarks /tmp/base/
-    step layer_base_699d0b3 170 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/layer.py \
+    step layer_base_699d0b3 130 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/layer.py \
       --out "$out/layer_base_699d0b3" --tokens 32 256 1024 8192 --iters 10 --impls "nvfp4 triton" "nvfp4 pallas" \
       --skip-torch
     step layer 170 python benchmarks/layer.py --out "$out/layer" --tokens 32 256 1024 8192 --iters 10
-    step profile_8192 100 python benchmarks/profile_layer.py --out "$out/profile_8192" --tokens 8192 \
+    step profile_8192 80 python benchmarks/profile_layer.py --out "$out/profile_8192" --tokens 8192 \
       --expert-gemm triton --calls 20
-    step export_8192 90 python benchmarks/profile_layer.py --out "$out/export_8192" --tokens 8192 \
+    step export_8192 60 python benchmarks/profile_layer.py --out "$out/export_8192" --tokens 8192 \
       --expert-gemm triton --shared-format bf16 --router-dtype bfloat16 --calls 10
+    step router_topk 90 python benchmarks/router_topk.py --out "$out/router_topk"
     ;;
   probes)
     step fp8 190 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 180 --kernels \

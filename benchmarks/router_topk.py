@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import expert_parallel  # noqa: E402  (timed)
 from moe_jax import router  # noqa: E402
 
 _BELOW_EVERY_FLOAT = np.iinfo(np.int32).min  # the key of -inf is -2139095041, above this
@@ -112,20 +113,6 @@ def check(name: str, tokens: int, experts: int, k: int, seed: int) -> str | None
     return None
 
 
-def timed(fn, *args, iters: int, windows: int = 5) -> float:
-    """Seconds per call: the median of ``windows`` windows of ``iters`` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    per_call = []
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
-
-
 def run(tokens_list, experts_list, k: int, iters: int, windows: int) -> list[dict]:
     rows = []
     for experts in experts_list:
@@ -142,9 +129,9 @@ def run(tokens_list, experts_list, k: int, iters: int, windows: int) -> list[dic
                     row["error"] = error
                 else:
                     scores = jax.random.normal(jax.random.key(tokens + experts), (tokens, experts), jnp.float32)
-                    fn = jax.jit(FORMULATIONS[name], static_argnums=1)
-                    row["seconds"] = timed(fn, scores, k, iters=iters, windows=windows)
-                    row["hlo_has_sort"] = " sort(" in fn.lower(scores, k).compile().as_text()
+                    fn = functools.partial(FORMULATIONS[name], k=k)
+                    row["seconds"], _ = expert_parallel.timed(fn, scores, iters=iters, windows=windows)
+                    row["hlo_has_sort"] = " sort(" in jax.jit(fn).lower(scores).compile().as_text()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows

@@ -55,8 +55,11 @@
 #   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
 #   GPU_CHECK_CONTINUE=DIR         finish a pass 1 that an earlier call at the same code left unfinished
 #                                  (its time limit cut it off): DIR is that call's output folder (carry it
-#                                  to the device machine). Pass 1 then runs only the tests of DIR's
-#                                  pass1_collected.txt (the first call's collection, not this call's:
+#                                  to the device machine: copied into the working tree untracked, e.g.
+#                                  `cp -r <files_at>/gc gc_prev`, it travels with the tree; an H100 at 2
+#                                  workers needs this second call, 2f15176's check). Pass 1 then runs
+#                                  only the tests of DIR's pass1_collected.txt (the first call's
+#                                  collection, not this call's:
 #                                  optional packages can change it) that DIR's junit XML lacks; the record
 #                                  holds both calls and passes only if together they ran every collected
 #                                  test and all passed.

@@ -59,10 +59,9 @@
 #                                  `cp -r <files_at>/gc gc_prev`, it travels with the tree; an H100 at 2
 #                                  workers needs this second call, 2f15176's check). Pass 1 then runs
 #                                  only the tests of DIR's pass1_collected.txt (the first call's
-#                                  collection, not this call's:
-#                                  optional packages can change it) that DIR's junit XML lacks; the record
-#                                  holds both calls and passes only if together they ran every collected
-#                                  test and all passed.
+#                                  collection, not this call's: optional packages can change it) that
+#                                  DIR's junit XML lacks; the record holds both calls and passes only if
+#                                  together they ran every collected test and all passed.
 #   PYTHON=python3                 the interpreter
 set -uo pipefail
 

@@ -115,9 +115,9 @@ def check(name: str, tokens: int, experts: int, k: int, seed: int) -> str | None
 
 def run(tokens_list, experts_list, k: int, iters: int, windows: int) -> list[dict]:
     rows = []
+    check_tokens = min(max(tokens_list), 512)
     for experts in experts_list:
         for name in FORMULATIONS:
-            check_tokens = min(max(tokens_list), 512)
             error = check(name, check_tokens, experts, k, seed=experts)
             zeros = differs(name, hard_scores(np.random.default_rng(experts), check_tokens, experts,
                                               signed_zeros=True), k)

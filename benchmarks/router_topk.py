@@ -1,5 +1,6 @@
 """The router's top-k by formulation: which is fastest on a GPU for Kimi K2's and DeepSeek-V3's
-rows (a probe: the library's ``router.top_k_ids`` takes ``sort`` or ``padded`` by its ``pad``).
+rows (the library's ``router.top_k_ids`` takes ``sort`` or ``argmax`` by its ``method``, by size:
+``router.top_k_method``, from this probe's run at 77e571b on an H100).
 
 At 8192 tokens on one H100 (2f15176, ``benchmarks/results/layer_h100/2f15176/``) XLA's TopK
 kernel took 0.28 ms of the layer for the ``[8192, 384]`` scores padded to ``[8192, 1024]``; the
@@ -7,8 +8,8 @@ sort it replaced took 0.12-0.13 ms on an H200 and was not timed on the H100. Thr
 the same choice (each row's ``k`` largest, largest first, ties to the lower index, NaN as +inf):
 
 * ``sort``: ``jax.lax.top_k`` of the rows as they are (XLA sorts rows narrower than 1024 whole);
-* ``padded``: the rows padded with -inf to 1024, so XLA runs its TopK kernel
-  (``router.top_k_ids(..., pad=True)``, the library's choice on GPUs today);
+* ``padded``: the rows padded with -inf to 1024, so XLA runs its TopK kernel (the library's
+  choice on GPUs from 2f15176 until this probe measured it: the slowest at prefill sizes);
 * ``argmax``: ``k`` row-wise argmaxes over an int32 key in the floats' total order (the order
   ``jax.lax.top_k`` sorts by: -0.0 below +0.0), each chosen entry's key set below every float's
   before the next (a chosen entry can never be taken twice, even where the rest of the row is
@@ -44,29 +45,18 @@ import numpy as np  # noqa: E402
 import expert_parallel  # noqa: E402  (timed)
 from moe_jax import router  # noqa: E402
 
-_BELOW_EVERY_FLOAT = np.iinfo(np.int32).min  # the key of -inf is -2139095041, above this
-
-
-def top_k_by_argmax(choice_te: jax.Array, k: int) -> jax.Array:
-    """int32 ``[T, k]``: ``k`` argmaxes over an int32 key of float32 ``[T, E]`` in total order."""
-    x_te = choice_te.astype(jnp.float32)
-    x_te = jnp.where(jnp.isnan(x_te), jnp.inf, x_te)
-    bits_te = jax.lax.bitcast_convert_type(x_te, jnp.int32)
-    # Negative floats order backwards in their bits: flip all but the sign bit.
-    key_te = bits_te ^ ((bits_te >> 31) & jnp.int32(0x7FFFFFFF))
-    col_te = jax.lax.broadcasted_iota(jnp.int32, key_te.shape, 1)
-    ids = []
-    for _ in range(k):
-        id_t = jnp.argmax(key_te, axis=-1).astype(jnp.int32)  # the first maximum: ties to the lower index
-        ids.append(id_t)
-        key_te = jnp.where(col_te == id_t[:, None], jnp.int32(_BELOW_EVERY_FLOAT), key_te)
-    return jnp.stack(ids, axis=-1)
+def top_k_padded(choice_te: jax.Array, k: int) -> jax.Array:
+    """The rows padded with -inf to 1024 entries, so that XLA runs its TopK kernel (``router``'s
+    choice on GPUs from 2f15176 to 9310cc2; NaN as +inf first: that kernel compares with ``>``)."""
+    x_te = jnp.where(jnp.isnan(choice_te), jnp.inf, choice_te)
+    x_te = jnp.pad(x_te, ((0, 0), (0, max(0, 1024 - x_te.shape[1]))), constant_values=-jnp.inf)
+    return jax.lax.top_k(x_te, k)[1].astype(jnp.int32)
 
 
 FORMULATIONS = {
-    "sort": lambda s, k: router.top_k_ids(s, k, pad=False),
-    "padded": lambda s, k: router.top_k_ids(s, k, pad=True),
-    "argmax": top_k_by_argmax,
+    "sort": lambda s, k: router.top_k_ids(s, k, method="sort"),
+    "padded": top_k_padded,
+    "argmax": lambda s, k: router.top_k_ids(s, k, method="argmax"),
 }
 
 

@@ -149,41 +149,73 @@ def route(
     return ids_tk, weights_tk
 
 
-#: XLA's GPU TopK kernel (``__gpu$TopK``: an insertion pass per row in registers, ties to the lower
-#: index) takes k <= 16 and rows of at least 1024 entries (``TopkSpecializer``); narrower rows are
-#: sorted whole, which took 123-129 us of the 8192-token Kimi K2 layer on an H200 for its
-#: ``[8192, 384]`` scores (``sort_14_1`` in ``benchmarks/results/profile_layer_h200/``).
-TOPK_KERNEL_MIN_WIDTH = 1024
-TOPK_KERNEL_MAX_K = 16
-#: Below this many experts the padded row (4 KB of float32 whatever E is) outweighs sorting E
-#: entries (Mixtral's 8); from it up (DeepSeek-V3's 256, Kimi K2's 384) rows are padded.
-TOPK_PAD_MIN_EXPERTS = 256
+#: XLA sorts rows narrower than 1024 entries whole for ``jax.lax.top_k``. At prefill sizes ``k``
+#: row-wise argmaxes (:func:`_top_k_by_argmax`) are faster on a GPU; at decode sizes the sort is.
+#: On one H100 (``benchmarks/results/layer_h100/77e571b/router_topk/``, us per call, k = 8), 384
+#: experts: 2048 tokens sort 78.8, argmaxes 87.7; 8192 tokens 141.0 against 99.4; 32768 tokens
+#: 528.4 against 172.3 (256 experts: 66.8 against 57.4 at 2048, 82.0 against 61.6 at 8192). The
+#: rows padded to 1024 for XLA's TopK kernel, this module's earlier choice, took 286.3 at 8192.
+TOPK_ARGMAX_MIN_TOKENS = 4096
+#: Each argmax is one pass over the row; past this many the sort's one pass wins.
+TOPK_ARGMAX_MAX_K = 16
+#: Below this many experts a row is short enough that sorting it costs little (Mixtral's 8).
+TOPK_ARGMAX_MIN_EXPERTS = 256
+#: The key every chosen entry takes before the next argmax: below every float's key
+#: (-inf's is -2139095041), so that no entry is chosen twice.
+_BELOW_EVERY_FLOAT = -(2**31)
 
 
-def top_k_ids(choice_te: jax.Array, k: int, *, pad: bool | None = None) -> jax.Array:
+def top_k_method(tokens: int, experts: int, k: int, *, platform: str) -> str:
+    """``"argmax"`` or ``"sort"``: how :func:`top_k_ids` chooses for these sizes on ``platform``
+    (``"gpu"``, ``"cpu"``, ...): the argmaxes on GPUs from :data:`TOPK_ARGMAX_MIN_TOKENS` tokens,
+    :data:`TOPK_ARGMAX_MIN_EXPERTS` experts and up to :data:`TOPK_ARGMAX_MAX_K` choices; else the
+    sort (XLA:CPU's sort was never slower there)."""
+    if (platform == "gpu" and tokens >= TOPK_ARGMAX_MIN_TOKENS and experts >= TOPK_ARGMAX_MIN_EXPERTS
+            and k <= TOPK_ARGMAX_MAX_K):
+        return "argmax"
+    return "sort"
+
+
+def _top_k_by_argmax(choice_te: jax.Array, k: int) -> jax.Array:
+    """int32 ``[T, k]``: ``k`` argmaxes over an int32 key in the floats' total order (the order
+    ``jax.lax.top_k`` sorts by: -0.0 below +0.0); ``argmax`` takes the first maximum, so ties go
+    to the lower index, as the sort's do. NaN must already be mapped to +inf."""
+    bits_te = jax.lax.bitcast_convert_type(choice_te.astype(jnp.float32), jnp.int32)
+    # Negative floats order backwards in their bits: flip all but the sign bit.
+    key_te = bits_te ^ ((bits_te >> 31) & jnp.int32(0x7FFFFFFF))
+    col_te = jax.lax.broadcasted_iota(jnp.int32, key_te.shape, 1)
+    ids = []
+    for _ in range(k):
+        id_t = jnp.argmax(key_te, axis=-1).astype(jnp.int32)
+        ids.append(id_t)
+        key_te = jnp.where(col_te == id_t[:, None], jnp.int32(_BELOW_EVERY_FLOAT), key_te)
+    return jnp.stack(ids, axis=-1)
+
+
+def top_k_ids(choice_te: jax.Array, k: int, *, method: str | None = None) -> jax.Array:
     """int32 ``[T, k]``: each row's ``k`` largest entries, largest first, ties to the lower
-    index, as ``jax.lax.top_k`` orders them; a NaN counts as +inf.
+    index, as ``jax.lax.top_k`` orders them (-0.0 below +0.0); a NaN counts as +inf.
 
-    With ``pad`` (None: where JAX's default backend is a GPU), rows of ``TOPK_PAD_MIN_EXPERTS`` to
-    ``TOPK_KERNEL_MIN_WIDTH`` entries are padded with -inf to the width XLA's GPU TopK kernel
-    takes, so that they are not sorted: a padding entry ties at best with a real -inf, and ties
-    go to the lower index, so with ``k <= E`` no padding entry is chosen and the choice is
-    exactly the unpadded one. NaN is mapped to +inf first, because that kernel compares with
-    ``>`` (NaN would fall anywhere, padding included). XLA:CPU has no such kernel: there the
-    padded rows only cost more (37 against 14 ms for ``[8192, 384]`` on a 2-core CPU).
+    ``method``: ``"sort"`` (``jax.lax.top_k``), ``"argmax"`` (``k`` row-wise argmaxes over the
+    floats' total order, :func:`_top_k_by_argmax`), or None: :func:`top_k_method` for these sizes
+    on JAX's default backend. Both choose the same ids in the same order. The HLO names it:
+    ``moe_jax.router.top_k_<method>``.
     """
     if getattr(choice_te, "ndim", None) != 2 or not jnp.issubdtype(choice_te.dtype, jnp.floating):
         found = f"{choice_te.dtype}{list(choice_te.shape)}" if hasattr(choice_te, "shape") else type(choice_te).__name__
         raise ValueError(f"choice_te: {found}, expected a floating [T, E] array")
-    _, e = choice_te.shape
+    t, e = choice_te.shape
     if type(k) is not int or not 1 <= k <= e:
         raise ValueError(f"k: {k!r}, expected an int in [1, E = {e}]")
+    if method is None:
+        method = top_k_method(t, e, k, platform=jax.default_backend())
+    if method not in ("sort", "argmax"):
+        raise ValueError(f"method: {method!r}, expected 'sort', 'argmax' or None")
     choice_te = jnp.where(jnp.isnan(choice_te), jnp.inf, choice_te)
-    if pad is None:
-        pad = jax.default_backend() == "gpu"
-    if pad and TOPK_PAD_MIN_EXPERTS <= e < TOPK_KERNEL_MIN_WIDTH and k <= TOPK_KERNEL_MAX_K:
-        choice_te = jnp.pad(choice_te, ((0, 0), (0, TOPK_KERNEL_MIN_WIDTH - e)), constant_values=-jnp.inf)
-    return jax.lax.top_k(choice_te, k)[1].astype(jnp.int32)
+    with jax.named_scope(f"moe_jax.router.top_k_{method}"):
+        if method == "argmax":
+            return _top_k_by_argmax(choice_te, k)
+        return jax.lax.top_k(choice_te, k)[1].astype(jnp.int32)
 
 
 def _keep_best_groups(choice_te: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:

@@ -325,25 +325,30 @@ def test_logits_gradients_are_those_of_the_float32_matmul(rng):
 
 
 def stable_top_k_np(values, k):
-    """The reference order: largest first, ties to the lower index, NaN as +inf (float64)."""
+    """The reference order: largest first, ties to the lower index, NaN as +inf, -0.0 below
+    +0.0 (float64; the zeros apart by a stable two-key sort)."""
     v = np.where(np.isnan(values), np.inf, values.astype(np.float64))
-    return np.argsort(-v, axis=-1, kind="stable")[:, :k]
+    negative_zero = (v == 0) & np.signbit(v)
+    return np.lexsort((negative_zero, -v), axis=-1)[:, :k]
 
 
 @pytest.mark.parametrize(("width", "k"), [(width, k) for width in (8, 255, 256, 384, 1023, 1024, 1500)
                                           for k in (1, 8, 16, 17) if k <= width])
-@pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k, pad):
-    """Rows padded for XLA's GPU TopK kernel (256 <= E < 1024, k <= 16) and rows that are not
-    choose the same ids in the same order as a stable float64 sort: ties (a few levels), -inf and
-    +inf entries, a row of -inf only, and NaN (as +inf) included."""
+@pytest.mark.parametrize("method", ["sort", "argmax"])
+def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k, method):
+    """Both methods choose the same ids in the same order as a stable float64 sort: ties (a few
+    levels), -inf and +inf entries, a row of -inf only, NaN (as +inf), and -0.0 below +0.0 (the
+    total order ``jax.lax.top_k`` sorts by) included."""
     values = rng.integers(0, 6, (40, width)).astype(np.float32) * 0.25  # many exact ties
     values[1] = -np.inf
     values[2, ::3] = -np.inf
     values[3, 5] = np.inf
     values[4, [7, 2]] = np.nan
-    values[5, -1] = np.inf  # the last real column beats every padding entry
-    ids = np.asarray(router.top_k_ids(jnp.asarray(values), k, pad=pad))
+    values[5, -1] = np.inf
+    values[6] = np.where(np.arange(width) % 2, -0.0, 0.0)  # signed zeros alternating
+    values[7, :] = -1.0
+    values[7, ::4] = -0.0
+    ids = np.asarray(router.top_k_ids(jnp.asarray(values), k, method=method))
     assert ids.dtype == np.int32 and ids.shape == (40, k)
     np.testing.assert_array_equal(ids, stable_top_k_np(values, k))
     assert ((ids >= 0) & (ids < width)).all()
@@ -360,17 +365,32 @@ def test_top_k_ids_names_a_bad_argument(values, k, message):
         router.top_k_ids(jnp.asarray(values), k)
 
 
+def test_top_k_ids_names_a_bad_method():
+    with pytest.raises(ValueError, match=r"method: 'padded', expected 'sort', 'argmax' or None"):
+        router.top_k_ids(jnp.zeros((4, 8)), 2, method="padded")
+
+
+@pytest.mark.parametrize(("tokens", "experts", "k", "platform", "want"), [
+    (8192, 384, 8, "gpu", "argmax"), (4096, 256, 8, "gpu", "argmax"), (4095, 384, 8, "gpu", "sort"),
+    (8192, 8, 2, "gpu", "sort"), (8192, 384, 17, "gpu", "sort"), (8192, 384, 8, "cpu", "sort"),
+])
+def test_top_k_method_follows_the_measured_crossover(tokens, experts, k, platform, want):
+    assert router.top_k_method(tokens, experts, k, platform=platform) == want
+
+
 @pytest.mark.gpu
-def test_kimi_size_top_k_runs_as_xlas_topk_kernel_with_the_sorts_choice(rng):
-    """At Kimi K2's [8192, 384] the rows are padded by default on a GPU and reach XLA's
-    ``__gpu$TopK`` (no sort in the compiled program), and its choice is the sort's: the unpadded ``jax.lax.top_k`` on the same
-    GPU, and the stable float64 order, with exact ties and -inf entries."""
+def test_kimi_size_top_k_runs_as_argmaxes_with_the_sorts_choice(rng):
+    """At Kimi K2's [8192, 384] a GPU takes the argmaxes by default (named in the HLO, no sort in
+    the compiled program), and their choice is the sort's: ``jax.lax.top_k`` on the same GPU and
+    the stable float64 order, with exact ties, -inf entries and signed zeros."""
     values = rng.integers(0, 50, (8192, 384)).astype(np.float32) / 49
     values[::97, ::5] = -np.inf
+    values[1::89] = np.where(np.arange(384) % 3, -0.0, 0.0)
     x = jax.device_put(jnp.asarray(values), jax.devices("gpu")[0])
-    padded = jax.jit(lambda v: router.top_k_ids(v, 8))
-    hlo = padded.lower(x).compile().as_text()
-    assert "__gpu$TopK" in hlo and " sort(" not in hlo, [line for line in hlo.splitlines() if "sort" in line][:3]
-    ids = np.asarray(padded(x))
+    chosen = jax.jit(lambda v: router.top_k_ids(v, 8))
+    assert "moe_jax.router.top_k_argmax" in chosen.lower(x).as_text(debug_info=True)
+    hlo = chosen.lower(x).compile().as_text()
+    assert " sort(" not in hlo, [line for line in hlo.splitlines() if "sort" in line][:3]
+    ids = np.asarray(chosen(x))
     np.testing.assert_array_equal(ids, np.asarray(jax.jit(lambda v: jax.lax.top_k(v, 8)[1])(x)))
     np.testing.assert_array_equal(ids, stable_top_k_np(values, 8))

@@ -1,5 +1,6 @@
-"""``benchmarks/router_topk.py``: its ``argmax`` formulation chooses as a stable float64 sort, and
-its check refuses a formulation that does not (a wrong one would otherwise be timed)."""
+"""``benchmarks/router_topk.py``: the ``argmax`` formulation (``router.top_k_ids(method="argmax")``)
+chooses as a stable float64 sort, and the probe's check refuses a formulation that does not (a
+wrong one would otherwise be timed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from moe_jax import router
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "router_topk.py"
 _spec = importlib.util.spec_from_file_location("router_topk", _PATH)
@@ -36,7 +39,8 @@ def test_argmax_chooses_as_a_stable_sort(rng, experts, k):
     hard[0] = -np.inf  # a row with nothing above -inf: k distinct ids all the same
     hard[1] = np.where(rng.random(experts) < 0.5, -0.0, 0.0)  # only signed zeros
     for scores in (random, hard):
-        got = np.asarray(jax.jit(probe.top_k_by_argmax, static_argnums=1)(jnp.asarray(scores), k))
+        got = np.asarray(jax.jit(router.top_k_ids, static_argnums=1, static_argnames='method')(
+            jnp.asarray(scores), k, method="argmax"))
         np.testing.assert_array_equal(got, _float64_stable_choice(scores, k))
         assert all(len(set(row)) == k for row in got.tolist())
 

@@ -14,7 +14,7 @@ what the MMA multiplies:
   table kernel's inner loop in this skeleton: the baseline the W4A8 mode differs from only in its
   dequantization and MMA), bf16 rows in ``triton_lang.permute_k``'s order for block_k 128;
 * ``W4A8``: NVFP4 weights as stored (ModelOpt's packed codes, E4M3 block scales), each word of 8
-  codes placed into E4M3 and scaled in registers by :data:`_WORD_TO_E4M3_PTX`, E4M3 rows; the
+  codes placed into E4M3 and scaled in registers by :data:`triton_lang._WORD_TO_E4M3_PTX`, E4M3 rows; the
   register operand of ``wgmma ... k32 .e4m3``. The rows' columns are in :func:`permute_k`'s order.
 
 W4A8 numerics (``benchmarks/w4a8_numerics.py``, NOTES section 1): a code ``c`` (E2M1) placed bit for
@@ -47,7 +47,9 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.grouped_matmul import pallas_triton
-from pallas_kernels.grouped_matmul.triton_lang import _dequantize_w4a16, _epilogue, _program_tile
+from pallas_kernels.grouped_matmul.triton_lang import (
+    _dequantize_w4a8, _dequantize_w4a16, _epilogue, _program_tile, permute_k_w4a8,
+)
 from pallas_kernels.grouped_matmul.tuning import Op
 
 
@@ -63,50 +65,10 @@ BLOCK_K = tl.constexpr(128)
 ROWS = 192  # token rows per tile at most: 128 + 64
 
 
-# One packed word ($2; byte i holds elements 2i (low nibble) and 2i + 1) and its block scale as
-# f16x2 {s, s} times 2**3 ($6). The asm runs with pack=4 over four copies of each (a thread's
-# register dimension, so the four elements of a pack are one word's): $3..$5 and $7..$9 are the
-# same values, unread. Out: $0 = E4M3 bytes of codes 0, 2, 4, 6, $1 = of codes 1, 3, 5, 7,
-# each ``code * scale * 2**-3`` rounded to E4M3: each one register of the MMA's A operand.
-# A code's bits s e1 e0 m go to E4M3 bits 7 and 4..2 (``code * 2**-6`` exactly): l = the low
-# nibbles so placed, h the high ones; then each 16-bit half converts to f16x2, is multiplied by
-# the scale (exact: at most 6 significant bits) and converts back (rounding to E4M3's 4).
-def _half_ptx(half: str, out: str) -> str:
-    return f"cvt.rn.f16x2.e4m3x2 f, {half};\nmul.rn.f16x2 f, f, $6;\ncvt.rn.satfinite.e4m3x2.f16x2 {out}, f;\n"
-
-
-_WORD_TO_E4M3_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, f, l, h;\n.reg .b16 a, b, c, d;\n"
-    "shl.b32 t, $2, 4;\nshl.b32 u, $2, 2;\nand.b32 u, u, 0x1C1C1C1C;\nand.b32 t, t, 0x80808080;\nor.b32 l, t, u;\n"
-    "shr.b32 t, $2, 2;\nand.b32 t, t, 0x1C1C1C1C;\nlop3.b32 h, $2, 0x80808080, t, 0xEA;\n"
-    "mov.b32 {a, b}, l;\n" + _half_ptx("a", "c") + _half_ptx("b", "d") + "mov.b32 $0, {c, d};\n"
-    "mov.b32 {a, b}, h;\n" + _half_ptx("a", "c") + _half_ptx("b", "d") + "mov.b32 $1, {c, d};\n}\n")
-
-
 def permute_k(x_mk):
-    """``x [M, K]`` -> its columns in the order of :func:`_dequantize_w4a8`'s tiles: within each
-    128-column chunk, element ``8 w + 2 b + s`` (code ``2 b + s`` of word ``w = 4 c + g`` of
-    thread column ``c``) goes to MMA column ``32 g + 16 s + 4 c + b``."""
-    m, k = x_mk.shape
-    return x_mk.reshape(m, k // BLOCK_K.value, 4, 4, 4, 2).transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
-
-
-@triton.jit
-def _dequantize_w4a8(words_rw, scales_rb, R: tl.constexpr):
-    """int32 ``[R, 16]`` packed words and uint8 ``[R, 8]`` E4M3 block scales of one 128-column
-    step -> float8e4nv ``[R, 128]``, ``code * scale * 2**-3``, columns in :func:`permute_k`'s order."""
-    s16 = scales_rb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 8.0
-    s32 = s16.to(tl.uint16, bitcast=True).to(tl.uint32)
-    s2_rb = s32 | (s32 << 16)  # f16x2 {s, s}
-    s2_rw = tl.reshape(tl.join(s2_rb, s2_rb), (R, BLOCK_K // 8))  # two words per block
-    words4 = tl.join(tl.join(words_rw, words_rw), tl.join(words_rw, words_rw))  # [r, w, i1, i0]
-    s4 = tl.join(tl.join(s2_rw, s2_rw), tl.join(s2_rw, s2_rw))
-    lo, hi = tl.inline_asm_elementwise(_WORD_TO_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r", [words4, s4],
-                                       dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    # lo[r, w, i1, i0] is byte b = i0 + 2 i1 of $0: code 2b; hi: code 2b + 1.
-    q = tl.reshape(tl.join(lo, hi), (R, 4, 4, 2, 2, 2))  # [r, c, g, i1, i0, s]
-    q = tl.reshape(tl.permute(q, (0, 2, 5, 1, 3, 4)), (R, BLOCK_K))  # [r, g, s, c, i1, i0]
-    return q.to(tl.float8e4nv, bitcast=True)
+    """``x [M, K]`` -> its columns in the order of the W4A8 tiles for block_k 128
+    (``triton_lang.permute_k_w4a8``)."""
+    return permute_k_w4a8(x_mk, BLOCK_K.value)
 
 
 @triton.jit
@@ -161,7 +123,8 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES):
         x_mk = tl.load(x_at + i * BLOCK_K, mask=row_ok_m[:, None], other=0.0)
         if MODE == 2:
-            w_rk = _dequantize_w4a8(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R)
+            w_rk = _dequantize_w4a8(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R,
+                                     BLOCK_K)
         elif MODE == 3:  # triton_lang's W4A16 dequantization: value * scale * 2**-7 in bf16
             w_rk = _dequantize_w4a16(tl.load(w_at + i * (BLOCK_K // 8)), tl.load(ws_at + i * (BLOCK_K // 16)), R,
                                      BLOCK_K)
@@ -175,10 +138,10 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
     # read), after the 2**3 the E4M3 weights were scaled down by (W4A16's operand: 2**7).
     factor: tl.constexpr = 8.0 if MODE == 2 else 128.0 if MODE == 3 else 1.0
     _epilogue(acc * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 1,
-              FUSED, False, True, BLOCK_M, BLOCK_N, 0)
+              FUSED, False, False, True, BLOCK_M, BLOCK_N, 0)
     if EXTRA_M > 0:
         _epilogue(acc2 * factor, local_x, row_ok_x, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 1,
-                  FUSED, False, True, EXTRA_M, BLOCK_N, 0)
+                  FUSED, False, False, True, EXTRA_M, BLOCK_N, 0)
 
 
 #: Waits for every ``wgmma`` of the warp group, then copies one accumulator register.
@@ -251,7 +214,7 @@ def _persistent_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_p
             scales = tl.load(w_scale_ptr + expert * (N_W * (K // 16))
                              + (w_row_r[:, None] * (K // 16) + scale_cols[None, :]))
             if MODE == 2:
-                w_rk = _dequantize_w4a8(words, scales, R)
+                w_rk = _dequantize_w4a8(words, scales, R, BLOCK_K)
             else:
                 w_rk = _dequantize_w4a16(words, scales, R, BLOCK_K)
         else:
@@ -261,9 +224,9 @@ def _persistent_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_p
         if i == STEPS - 1:
             factor: tl.constexpr = 8.0 if MODE == 2 else 128.0 if MODE == 3 else 1.0
             _epilogue(_mma_done(acc) * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr,
-                      out_ptr, N_OUT, 1, FUSED, False, True, 128, BLOCK_N, 0)
+                      out_ptr, N_OUT, 1, FUSED, False, False, True, 128, BLOCK_N, 0)
             _epilogue(_mma_done(acc2) * factor, local_x, row_ok_x, first_row, expert, j, half_r, out_ptr, out_ptr,
-                      out_ptr, N_OUT, 1, FUSED, False, True, 64, BLOCK_N, 0)
+                      out_ptr, N_OUT, 1, FUSED, False, False, True, 64, BLOCK_N, 0)
             acc = tl.zeros((R, 128), tl.float32)
             acc2 = tl.zeros((R, 64), tl.float32)
 

@@ -60,10 +60,13 @@ OPERAND_EXPONENT_DEFICIT = pallas_triton.OPERAND_EXPONENT_DEFICIT
 
 
 class Mode(enum.Enum):
-    """How the kernel multiplies: the FP4 tensor cores, bf16 ones after dequantizing, or bf16
-    weights as they are (``BF16``: the same tiling and schedule, nothing dequantized)."""
+    """How the kernel multiplies: the FP4 tensor cores (``W4A4``), the FP8 ones with the weights
+    placed into E4M3 and the activations quantized to E4M3 per row (``W4A8``, SM90, opt-in), bf16
+    ones after dequantizing (``W4A16``), or bf16 weights as they are (``BF16``: the same tiling and
+    schedule, nothing dequantized)."""
 
     W4A4 = "w4a4"
+    W4A8 = "w4a8"
     W4A16 = "w4a16"
     BF16 = "bf16"
 
@@ -216,7 +219,8 @@ class NativeSpec:
         """The kernel's ``tl.constexpr`` arguments."""
         return dict(
             K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, G=self.scale_groups,
-            FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, BF16=self.mode is Mode.BF16,
+            FUSED=self.op is Op.GATE_UP_SWIGLU, W4A4=self.mode is Mode.W4A4, W4A8=self.mode is Mode.W4A8,
+            BF16=self.mode is Mode.BF16,
             TRANS_W=self.trans_w, NUM_TILES=self.max_tiles,
             BLOCK_M=self.tile.block_m, EXTRA_M=self.tile.extra_m, TAIL_M=self.tile.tail_m,
             BLOCK_N=self.block_n, BLOCK_K=self.block_k,
@@ -292,6 +296,56 @@ def _dequantize_w4a16(words_rw, scales_rb, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     return tl.reshape(tl.permute(q, (0, 2, 5, 4, 1, 3)), (BLOCK_N, BLOCK_K))  # [n, g, g0, h, c, t]
 
 
+# W4A8: one packed word ($2; byte i holds codes 2i (low nibble) and 2i + 1) and its block scale
+# as f16x2 {s, s} times 2**3 ($6). The asm runs with pack=4 over four copies of each (a thread's
+# register dimension, so the four elements of a pack are one word's): $3..$5 and $7..$9 are the
+# same values, unread. Out: $0 = E4M3 bytes of codes 0, 2, 4, 6, $1 = of codes 1, 3, 5, 7, each
+# ``code * scale * 2**-3`` rounded to E4M3, each one register of the MMA's A operand. A code's
+# bits s e1 e0 m go to E4M3 bits 7 and 4..2 (``code * 2**-6`` exactly): l = the low nibbles so
+# placed, h the high ones; then each 16-bit half converts to f16x2, is multiplied by the scale
+# (exact: at most 6 significant bits) and converts back, rounding to E4M3's 4 (satfinite:
+# ``6 * 448 * 2**-3 = 336`` fits).
+def _e4m3_half_ptx(half: str, out: str) -> str:
+    return f"cvt.rn.f16x2.e4m3x2 f, {half};\nmul.rn.f16x2 f, f, $6;\ncvt.rn.satfinite.e4m3x2.f16x2 {out}, f;\n"
+
+
+_WORD_TO_E4M3_PTX = tl.constexpr(
+    "{\n.reg .b32 t, u, f, l, h;\n.reg .b16 a, b, c, d;\n"
+    "shl.b32 t, $2, 4;\nshl.b32 u, $2, 2;\nand.b32 u, u, 0x1C1C1C1C;\nand.b32 t, t, 0x80808080;\nor.b32 l, t, u;\n"
+    "shr.b32 t, $2, 2;\nand.b32 t, t, 0x1C1C1C1C;\nlop3.b32 h, $2, 0x80808080, t, 0xEA;\n"
+    "mov.b32 {a, b}, l;\n" + _e4m3_half_ptx("a", "c") + _e4m3_half_ptx("b", "d") + "mov.b32 $0, {c, d};\n"
+    "mov.b32 {a, b}, h;\n" + _e4m3_half_ptx("a", "c") + _e4m3_half_ptx("b", "d") + "mov.b32 $1, {c, d};\n}\n")
+
+
+def permute_k_w4a8(x_mk, block_k: int):
+    """``x [M, K]`` -> its columns in the order of :func:`_dequantize_w4a8`'s tiles: within each
+    ``block_k`` chunk, element ``8 w + 2 b + s`` (code ``2 b + s`` of word ``w = c G + g``, ``G =
+    block_k / 32``, of thread column ``c``) goes to MMA column ``32 g + 16 s + 4 c + b``: the
+    ``k32`` FP8 operand's fragment, where thread column ``c`` holds columns ``4 c .. 4 c + 3`` of
+    each 16-column half ``s`` of slab ``g``."""
+    m, k = x_mk.shape
+    return x_mk.reshape(m, k // block_k, 4, block_k // 32, 4, 2).transpose(0, 1, 3, 5, 2, 4).reshape(m, k)
+
+
+@triton.jit
+def _dequantize_w4a8(words_rw, scales_rb, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 ``[R, bk/8]`` packed words and uint8 ``[R, bk/16]`` E4M3 block scales -> float8e4nv
+    ``[R, bk]``, ``code * scale * 2**-3`` rounded to E4M3 (one rounding: a code has 2 significant
+    bits and a scale 4), columns in :func:`permute_k_w4a8`'s order."""
+    s16 = scales_rb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 8.0
+    s32 = s16.to(tl.uint16, bitcast=True).to(tl.uint32)
+    s2_rb = s32 | (s32 << 16)  # f16x2 {s, s}
+    s2_rw = tl.reshape(tl.join(s2_rb, s2_rb), (R, BLOCK_K // 8))  # two words per block
+    words4 = tl.join(tl.join(words_rw, words_rw), tl.join(words_rw, words_rw))  # [r, w, i1, i0]
+    s4 = tl.join(tl.join(s2_rw, s2_rw), tl.join(s2_rw, s2_rw))
+    lo, hi = tl.inline_asm_elementwise(_WORD_TO_E4M3_PTX, "=r,=r,r,r,r,r,r,r,r,r", [words4, s4],
+                                       dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    # lo[r, w, i1, i0] is byte b = i0 + 2 i1 of $0: code 2b; hi: code 2b + 1.
+    q = tl.reshape(tl.join(lo, hi), (R, 4, BLOCK_K // 32, 2, 2, 2))  # [r, c, g, i1, i0, s]
+    q = tl.reshape(tl.permute(q, (0, 2, 5, 1, 3, 4)), (R, BLOCK_K))  # [r, g, s, c, i1, i0]
+    return q.to(tl.float8e4nv, bitcast=True)
+
+
 @triton.jit
 def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP_T: tl.constexpr):
     """``(t, j)``: the row tile and the output column tile of this program. Programs visit
@@ -308,7 +362,7 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 @triton.jit
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
             w_scale_ptr, w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
-            G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+            G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
             NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr,
             OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
@@ -338,44 +392,44 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
         if TAIL_M > 0:
             if rows <= TAIL_M:
                 _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
-                      w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, TAIL_M, 0,
+                      w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, TAIL_M, 0,
                       BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr,
-                           w_ptr, w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W,
+                           w_ptr, w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W,
                            BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
-                       w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M,
+                       w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M,
                        EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
 
 
 @triton.jit
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
                w_scale_ptr, w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
-               G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+               G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
                BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
     if EXTRA_M > 0:
         if rows > BLOCK_M:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
-                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N,
+                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M, EXTRA_M, BLOCK_N,
                   BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
-                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
+                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
                   NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
-              w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
+              w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
               NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
 
 
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
           w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
-          FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+          FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
           EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
           OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
@@ -408,14 +462,14 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_t
         ws_at = (w_scale_ptr + expert * (N_W * (K // 16))
                  + (w_row_r[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
     acc = tl.zeros((R, BLOCK_M), tl.float32)
-    x_at, xs_at = _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local_m, row_ok_m, K, BLOCK_K, W4A4,
-                                GATHER_ROWS)
+    x_at, xs_at, xg_at = _row_pointers(x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, first_row, local_m, row_ok_m,
+                                       K, BLOCK_K, W4A4, W4A8, GATHER_ROWS)
     if EXTRA_M > 0:
         local_x = BLOCK_M + tl.arange(0, EXTRA_M)
         row_ok_x = row_start + local_x < row_end
         acc2 = tl.zeros((R, EXTRA_M), tl.float32)
-        x2_at, xs2_at = _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local_x, row_ok_x, K, BLOCK_K,
-                                      W4A4, GATHER_ROWS)
+        x2_at, xs2_at, xg2_at = _row_pointers(x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, first_row, local_x,
+                                              row_ok_x, K, BLOCK_K, W4A4, W4A8, GATHER_ROWS)
     for i in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES, warp_specialize=False):
         if W4A4:
             w_rj = tl.load(w_at + i * (BLOCK_K // 2))
@@ -440,53 +494,64 @@ def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_t
             else:
                 w_rw = tl.load(w_at + i * (BLOCK_K // 8))
                 s_rb = tl.load(ws_at + i * (BLOCK_K // 16))
-                w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
+                if W4A8:
+                    w_rk = _dequantize_w4a8(w_rw, s_rb, R, BLOCK_K)
+                else:
+                    w_rk = _dequantize_w4a16(w_rw, s_rb, R, BLOCK_K)
             acc = tl.dot(w_rk, tl.trans(x_mk), acc)
             if EXTRA_M > 0:
                 x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
                 acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
-    _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT, G,
-              FUSED, W4A4, BF16, BLOCK_M, BLOCK_N, OUT_K_ORDER)
+    _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, xg_at, w_global_ptr, out_ptr, N_OUT, G,
+              FUSED, W4A4, W4A8, BF16, BLOCK_M, BLOCK_N, OUT_K_ORDER)
     if EXTRA_M > 0:
-        _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr, N_OUT,
-                  G, FUSED, W4A4, BF16, EXTRA_M, BLOCK_N, OUT_K_ORDER)
+        _epilogue(acc2, local_x, row_ok_x, first_row, expert, j, half_r, xg2_at, w_global_ptr, out_ptr, N_OUT,
+                  G, FUSED, W4A4, W4A8, BF16, EXTRA_M, BLOCK_N, OUT_K_ORDER)
 
 
 @triton.jit
-def _row_pointers(x_ptr, x_scale_ptr, row_token_ptr, first_row, local, row_ok, K: tl.constexpr,
-                  BLOCK_K: tl.constexpr, W4A4: tl.constexpr, GATHER_ROWS: tl.constexpr):
-    """The first K step's activation pointers of rows ``first_row + local``: W4A4 the packed codes
-    and their block scales; W4A16 the bf16 values (and ``x_scale_ptr`` as it is, never read).
-    With ``GATHER_ROWS`` (W4A16 and BF16) row ``m`` is row ``row_token[m]`` of an ``x`` of
-    ``GATHER_ROWS`` rows, clamped into it; rows ``row_ok`` does not mark read no index."""
+def _row_pointers(x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, first_row, local, row_ok, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, GATHER_ROWS: tl.constexpr):
+    """Rows ``first_row + local``: their first K step's activation pointers (W4A4 the packed codes
+    and their block scales; W4A16, W4A8 and BF16 the values, ``x_scale_ptr`` as it is, never
+    read) and their global scales' (W4A4, W4A8; else ``x_global_ptr`` as it is, never read).
+    With ``GATHER_ROWS`` (W4A16, W4A8, BF16) row ``m`` is row ``row_token[m]`` of an ``x`` of
+    ``GATHER_ROWS`` rows, clamped into it, and so is its scale; rows ``row_ok`` does not mark read
+    no index."""
     if GATHER_ROWS > 0:
         token = tl.load(row_token_ptr + first_row + local, mask=row_ok, other=0)
         token = tl.minimum(tl.maximum(token, 0), GATHER_ROWS - 1).to(tl.int64)
         x_at = x_ptr + (token[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
         xs_at = x_scale_ptr
+        xg_at = x_global_ptr + token if W4A8 else x_global_ptr
     elif W4A4:
         x_at = x_ptr + first_row * (K // 2) + (local[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
         xs_at = (x_scale_ptr + first_row * (K // 16)
                  + (local[:, None] * (K // 16) + tl.arange(0, BLOCK_K // 16)[None, :]))
+        xg_at = x_global_ptr + first_row + local
     else:
         x_at = x_ptr + first_row * K + (local[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
         xs_at = x_scale_ptr
-    return x_at, xs_at
+        xg_at = x_global_ptr + first_row + local if W4A8 else x_global_ptr
+    return x_at, xs_at, xg_at
 
 
 @triton.jit
-def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, x_global_ptr, w_global_ptr, out_ptr,
-              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, BF16: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
-    """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m``, applies SwiGLU
-    (fused op) and stores the rows ``row_ok_m`` marks, columns in :func:`permute_k`'s order for
-    ``block_k = OUT_K_ORDER`` if that is not 0."""
+def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, xg_at, w_global_ptr, out_ptr,
+              N_OUT: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr,
+              BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_K_ORDER: tl.constexpr):
+    """Scales the ``[R, BLOCK_M]`` accumulator of rows ``first_row + local_m`` (W4A4, W4A8: by
+    their global scales at ``xg_at``, :func:`_row_pointers`), applies SwiGLU (fused op) and stores
+    the rows ``row_ok_m`` marks, columns in :func:`permute_k`'s order for ``block_k = OUT_K_ORDER``
+    if that is not 0."""
     # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
-    # W4A4 also each row's activation scale, W4A16 the 2**7 its operand is short of.
-    # BF16 weights carry no scales.
+    # W4A4 also each row's activation scale, W4A8 each row's and the 2**3 its weight operand is
+    # short of, W4A16 the 2**7 its operand is short of. BF16 weights carry no scales.
     if not BF16:
         if W4A4:
-            row_factor = tl.load(x_global_ptr + first_row + local_m, mask=row_ok_m, other=0.0)
+            row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0)
+        elif W4A8:
+            row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0) * 8.0
         else:
             row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
         w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
@@ -605,6 +670,32 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     )
 
 
+#: W4A8's capabilities: its MMA is Hopper's ``wgmma ... .e4m3`` with the weights in registers.
+W4A8_CAPABILITIES = frozenset({90})
+#: E4M3's largest finite value: a row's amax maps to it.
+FP8_MAX = 448.0
+
+
+def quantize_fp8_rows(x_mk, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """W4A8's activations: ``x [M, K]`` quantized per row to E4M3 against its own amax.
+
+    Returns ``(values_mk, scale_m)``: float8_e4m3fn ``[M, K]``, round to nearest even of ``x *
+    (448 / amax(|row|))`` (float32) with the columns in :func:`permute_k_w4a8`'s order for
+    ``block_k``, and float32 ``[M]`` ``scale = amax(|row|) * float32(1 / 448)`` (both 1 for a row of
+    zeros), so that a row is ``values * scale`` within E4M3's rounding (2**-4 of each value,
+    relative). Written as XLA computes it (it turns a division by a constant into this product),
+    so that every backend rounds alike. A row with a non-finite value gets a non-finite scale and
+    NaN values: its own outputs only.
+    """
+    x_mk = x_mk.astype(jnp.float32)
+    amax_m = jnp.max(jnp.abs(x_mk), axis=1)
+    zero_m = amax_m == 0
+    inverse_m = jnp.where(zero_m, 1.0, FP8_MAX / jnp.where(zero_m, 1.0, amax_m))
+    scale_m = jnp.where(zero_m, 1.0, amax_m * np.float32(1 / FP8_MAX))
+    values_mk = jnp.clip(x_mk * inverse_m[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return permute_k_w4a8(values_mk, block_k), scale_m
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NVFP4Rows:
@@ -625,10 +716,10 @@ def _check_rows(x, mode: Mode, name: str, columns: str = "K") -> tuple[int, int]
     """Validates the activations for ``mode``; returns ``(M, C)``, C their reduced dimension
     (``columns``: ``K`` for the forward, ``N`` for the input gradient's ``dy``)."""
     match mode:
-        case Mode.W4A16 | Mode.BF16:
+        case Mode.W4A16 | Mode.W4A8 | Mode.BF16:
             if not hasattr(x, "dtype") or np.dtype(x.dtype) != np.dtype(jnp.bfloat16) or x.ndim != 2:
                 found = f"{x.dtype}{list(x.shape)}" if hasattr(x, "dtype") else type(x).__name__
-                raise ValueError(f"{name}: {found}, expected bfloat16 [M, {columns}] (W4A16)")
+                raise ValueError(f"{name}: {found}, expected bfloat16 [M, {columns}] ({mode.name})")
             m, k = x.shape
         case Mode.W4A4:
             if not isinstance(x, NVFP4Rows):
@@ -695,13 +786,15 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
       op: ``Op.MATMUL`` (``w`` ``[E, N, K]``, out bf16 ``[M, N]``) or ``Op.GATE_UP_SWIGLU``
         (``w`` ``[E, 2F, K]``, gate rows then up rows, global scale ``[E]`` or ``[E, 2]``; out
         bf16 ``[M, F]``).
-      x: bf16 ``[M, K]`` for W4A16, :class:`NVFP4Rows` for W4A4; rows sorted by expert. With
+      x: bf16 ``[M, K]`` for W4A16 and W4A8 (which quantizes it per row,
+        :func:`quantize_fp8_rows`), :class:`NVFP4Rows` for W4A4; rows sorted by expert. With
         ``row_token_m``, bf16 ``[T, K]`` in any order.
       w: NVFP4 weights in ModelOpt's layout (``.packed`` uint8 ``[E, N, K/2]``, ``.scales``
         float8_e4m3fn ``[E, N, K/16]``, ``.global_scale`` float32).
       group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
       compute_capability: picks the tiles and, unless ``mode`` is given, the mode (:func:`mode_for`).
-      mode: W4A4 needs capability >= 100 (triton 3.6 compiles ``dot_scaled`` e2m1 for no other).
+      mode: W4A4 needs capability >= 100 (triton 3.6 compiles ``dot_scaled`` e2m1 for no other);
+        W4A8 (never :func:`mode_for`'s: opt-in) one of :data:`W4A8_CAPABILITIES`.
       tile: overrides the tile table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased); rows the
         kernel does not write keep its values.
@@ -710,7 +803,7 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
         it takes them as they are (``x_k_order``) instead of permuting them in a pass of its own.
       x_k_order: W4A16 only; 0, or ``x``'s columns are already in :func:`permute_k` order for
         ``block_k = x_k_order``, which must be this launch's (:func:`k_order`).
-      row_token_m: W4A16 only (bf16: :func:`bf16_matmul`'s); None, or int32 ``[M]``: row ``m`` of the product is row
+      row_token_m: W4A16 and W4A8 (bf16: :func:`bf16_matmul`'s); None, or int32 ``[M]``: row ``m`` of the product is row
         ``row_token_m[m]`` of ``x`` (values outside ``[0, T)`` are clamped into it), read by the
         kernel where it is: the ``[M, K]`` copy of ``x`` in expert order is never written.
 
@@ -724,6 +817,9 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
     if mode is Mode.W4A4 and compute_capability < 100:
         raise ValueError(f"mode: W4A4 on compute capability {compute_capability}, expected >= 100 (block-scaled "
                          "FP4 MMA: SM100, SM120)")
+    if mode is Mode.W4A8 and compute_capability not in W4A8_CAPABILITIES:
+        raise ValueError(f"mode: W4A8 on compute capability {compute_capability}, expected one of "
+                         f"{sorted(W4A8_CAPABILITIES)} (its MMA is SM90's FP8 wgmma)")
     m, k = _check_rows(x, mode, "x")
     if row_token_m is not None and mode is Mode.W4A4:
         raise ValueError("row_token_m: given for w4a4, expected None (its rows are quantized per row before the "
@@ -760,6 +856,11 @@ def run(op: Op, x, w, group_sizes_e, *, compute_capability: int, mode: Mode | No
             # keep a single kernel signature.
             x_perm = x if x_k_order else permute_k(x, spec.block_k)
             rows = (x_perm, jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32))
+        case Mode.W4A8:
+            # Quantized per row (of the T rows, when they are read by index) in the same pass
+            # that puts the columns in the tiles' order.
+            values_mk, scale_m = quantize_fp8_rows(x, spec.block_k)
+            rows = (values_mk, jnp.zeros((1,), jnp.uint8), scale_m)
         case _:
             assert_never(mode)
     return launch(spec, group_sizes_e, *rows, row_token, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
@@ -951,10 +1052,12 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, row_token, pa
     Args:
       spec: the static description (:func:`make_spec`).
       group_sizes_e: int32 ``[E]``.
-      x: W4A16 bf16 ``[M, K]`` (``[spec.gather_rows, K]`` when it is read by index); W4A4 uint8
-        ``[M, K/2]`` (packed codes).
-      x_scales: W4A4 uint8 ``[M, K/16]`` (E4M3 bits); W4A16 any uint8 array (unread).
-      x_global: W4A4 float32 ``[M]``; W4A16 any float32 array (unread).
+      x: W4A16 bf16 ``[M, K]`` (``[spec.gather_rows, K]`` when it is read by index); W4A8
+        float8_e4m3fn, the same shape (:func:`quantize_fp8_rows`); W4A4 uint8 ``[M, K/2]``
+        (packed codes).
+      x_scales: W4A4 uint8 ``[M, K/16]`` (E4M3 bits); else any uint8 array (unread).
+      x_global: W4A4 float32 ``[M]``; W4A8 float32, one per row of ``x``; W4A16 any float32
+        array (unread).
       row_token: int32 ``[M]``, the row of ``x`` each row reads, if ``spec.gather_rows``; else any
         int32 array (unread).
       packed: uint8 ``[E, N_W, K/2]``.
@@ -995,7 +1098,7 @@ def input_grad_kernel_function():
 
 def signature(spec: NativeSpec) -> dict[str, str]:
     """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
-    x = "*u8" if spec.mode is Mode.W4A4 else "*bf16"
+    x = {Mode.W4A4: "*u8", Mode.W4A8: "*fp8e4nv"}.get(spec.mode, "*bf16")
     w = "*bf16" if spec.mode is Mode.BF16 else "*u8"
     types = ["*i32", "*i32", "*i32", x, "*u8", "*fp32", "*i32", w, "*u8", "*fp32", "*bf16", "*bf16"]
     constexprs = spec.constexprs()
@@ -1048,9 +1151,10 @@ W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forw
                         forward_reads_rows_by_index=True)
 
 
-def _bf16_prefill(num_rows: int, group_sizes_e, compute_capability: int) -> bool:
-    """Whether ``bf16_matmul``'s prefill tiles take ``num_rows`` rows (:func:`tuning.choose_variant`);
-    decode sizes stay on the Pallas kernels, which stream bf16 weights at the byte floor."""
+def _prefill(num_rows: int, group_sizes_e, compute_capability: int) -> bool:
+    """Whether ``num_rows`` rows over these experts are a prefill size (:func:`tuning.choose_variant`):
+    more than two decode row tiles per expert on average. Below, the GEMMs stream the weights'
+    bytes, which neither the native bf16 tiles nor FP8 tensor cores make fewer."""
     return tuning.choose_variant(num_rows=num_rows, num_experts=group_sizes_e.shape[0],
                                  compute_capability=compute_capability) is Variant.PREFILL
 
@@ -1061,7 +1165,7 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     ``row_token_m`` is given; decode sizes through the Pallas kernels (rows gathered first)."""
     _not_interpreted(interpret)
     num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
-    if not _bf16_prefill(num_rows, group_sizes_e, compute_capability):
+    if not _prefill(num_rows, group_sizes_e, compute_capability):
         return PALLAS.forward(token_rows(x_mh, row_token_m), group_sizes_e, w_gate_up, w_down,
                               compute_capability=compute_capability, interpret=False)
     a_mf = bf16_matmul(Op.GATE_UP_SWIGLU, x_mh.astype(jnp.bfloat16), w_gate_up, group_sizes_e,
@@ -1071,9 +1175,40 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
 
 def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
     _not_interpreted(interpret)
-    if not _bf16_prefill(x_mk.shape[0], group_sizes_e, compute_capability):
+    if not _prefill(x_mk.shape[0], group_sizes_e, compute_capability):
         return PALLAS.matmul(x_mk, w, group_sizes_e, compute_capability=compute_capability, interpret=False)
     return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability)
+
+
+def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                             interpret: bool, row_token_m=None) -> jax.Array:
+    """W4A8 at prefill sizes (:func:`_prefill`): the gate/up kernel on the rows quantized per row
+    to E4M3 (of the tokens, read by index if ``row_token_m`` is given), then the down kernel on
+    its bf16 SwiGLU output quantized the same way; decode sizes W4A16
+    (:func:`_w4a16_expert_mlp_forward`)."""
+    _not_interpreted(interpret)
+    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    if not _prefill(num_rows, group_sizes_e, compute_capability):
+        return _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
+                                         interpret=interpret, row_token_m=row_token_m)
+    a_mf = run(Op.GATE_UP_SWIGLU, x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability,
+               mode=Mode.W4A8, row_token_m=row_token_m)
+    return run(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A8)
+
+
+def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    _not_interpreted(interpret)
+    mode = Mode.W4A8 if _prefill(x_mk.shape[0], group_sizes_e, compute_capability) else Mode.W4A16
+    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=mode)
+
+
+#: W4A8 (opt-in, SM90) as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend: the forward
+#: GEMMs at prefill sizes on the FP8 tensor cores (activations quantized to E4M3 per row, the
+#: weights' codes times their block scales placed into E4M3 in registers), decode sizes W4A16;
+#: the gradients are W4A16's (the activations' rounding passes straight through).
+W4A8_BACKEND = Backend(name="triton_lang W4A8", forward=_w4a8_expert_mlp_forward, matmul=_w4a8_matmul,
+                       input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad,
+                       forward_reads_rows_by_index=True)
 
 
 #: bf16 weights as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM90, the
@@ -1086,7 +1221,8 @@ BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward
                        forward_reads_rows_by_index=True)
 
 
-__all__ = ["BF16_BACKEND", "BF16_TILES", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES",
-           "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "InputGradSpec", "W4A16_BACKEND", "bf16_matmul", "input_grad",
-           "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile",
+__all__ = ["BF16_BACKEND", "BF16_TILES", "FP8_MAX", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES",
+           "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "InputGradSpec", "W4A16_BACKEND", "W4A8_BACKEND",
+           "W4A8_CAPABILITIES", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
+           "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "permute_k_w4a8", "quantize_fp8_rows",
            "run"]

@@ -128,7 +128,7 @@ def test_the_dequantization_is_each_code_times_its_scale_rounded_to_e4m3():
     for i in range(8):  # the same code in all 8 nibbles
         word |= c.astype(np.uint64) << np.uint64(4 * i)
     s16 = (e4m3(s) * 8).astype(np.float16).view(np.uint16).astype(np.uint64)
-    regs = ptx_emulator.run(fk._WORD_TO_E4M3_PTX.value.replace("$", "r"),
+    regs = ptx_emulator.run(triton_lang._WORD_TO_E4M3_PTX.value.replace("$", "r"),
                             {"r2": word, "r6": s16 | (s16 << np.uint64(16))})
     want = _e4m3_round(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])[c] * e4m3(s) / 8)
     for out in ("r0", "r1"):

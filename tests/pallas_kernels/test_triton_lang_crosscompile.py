@@ -344,3 +344,73 @@ def test_between_one_and_two_decode_tiles_per_expert_get_the_mid_tile_which_comp
                                   num_stages=one.tile.num_stages, name=f"native_mid_{op.value}")
     assert re.search(EXPECTED[90][1], kernel.ptx)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
+@pytest.mark.parametrize("rows", [2048 * 8, 8192 * 8], ids=["2048 tokens", "8192 tokens"])
+def test_w4a8_prefill_tiles_compile_to_fp8_wgmma_without_spills(op, rows):
+    """``Mode.W4A8`` at Kimi K2's projections over 384 experts, rows read by index for the gate/up
+    as the layer calls it: FP8 ``wgmma`` (``k32 .e4m3``, the weights from registers) for every row
+    path, no bf16 MMA, no spills, within the shared memory."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    spec = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=rows, num_experts=384, k=k, n_out=n_out,
+                                 scale_groups=1, compute_capability=90,
+                                 gather_rows=rows // 8 if op is Op.GATE_UP_SWIGLU else 0)
+    assert triton_lang.signature(spec)["x_ptr"] == "*fp8e4nv"
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
+                                  constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
+                                  num_stages=spec.tile.num_stages, name=f"native_w4a8_{op.value}")
+    mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", kernel.ptx))
+    paths = {spec.tile.block_m, spec.tile.extra_m, spec.tile.tail_m} - {0}
+    assert {str(n) for n in paths} <= mma, (mma, spec.tile)
+    assert "bf16.bf16" not in kernel.ptx
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+def test_w4a8_bad_input_gets_one_line_naming_the_argument():
+    sizes, w = jnp.asarray([1, 2, 3, 4], jnp.int32), _nvfp4()
+    x = jnp.ones((10, 128), jnp.bfloat16)
+    cases = [
+        (dict(compute_capability=120), r"^mode: W4A8 on compute capability 120, expected one of \[90\]"),
+        (dict(x=x.astype(jnp.float32)), r"^x: float32\[10, 128\], expected bfloat16 \[M, K\] \(W4A8\)$"),
+        (dict(out_k_order=64), r"^out_k_order=64, x_k_order=0: expected 0 for w4a8"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, compute_capability=90) | change
+        with pytest.raises(ValueError, match=message):
+            triton_lang.run(Op.MATMUL, args.pop("x"), w, sizes, mode=triton_lang.Mode.W4A8, **args)
+
+
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+def test_fp8_rows_are_quantized_per_row_and_permuted_as_the_tiles_read_them(rng, block_k):
+    """``quantize_fp8_rows`` against float32 arithmetic written here: each row's amax maps to 448,
+    a zero row stays zero with scale 1, a NaN spoils its own row only; ``permute_k_w4a8`` puts
+    element ``8 w + 2 b + s`` (word ``w = c G + g``) at column ``32 g + 16 s + 4 c + b``."""
+    import ml_dtypes  # noqa: PLC0415
+
+    x = (rng.standard_normal((6, 512)) * np.exp(rng.uniform(-6, 6, (6, 1)))).astype(np.float32)
+    x[2] = 0
+    x[4, 9] = np.nan
+    values, scale = triton_lang.quantize_fp8_rows(jnp.asarray(x, jnp.bfloat16), block_k)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    amax = np.abs(xb).max(axis=1, keepdims=True)
+    safe = np.where(amax == 0, np.float32(1), amax)
+    want_scale = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 448))[:, 0]
+    want = (xb * np.where(amax == 0, np.float32(1), np.float32(448) / safe)).astype(ml_dtypes.float8_e4m3fn)
+    g = block_k // 32
+    columns = np.empty(512, np.int64)  # columns[position] = the element there
+    for chunk in range(512 // block_k):
+        for c in range(4):
+            for gg in range(g):
+                for b in range(4):
+                    for s in range(2):
+                        columns[chunk * block_k + 32 * gg + 16 * s + 4 * c + b] = chunk * block_k + 8 * (c * g + gg) + 2 * b + s
+    got = np.asarray(values).astype(np.float32)
+    ok = [0, 1, 2, 3, 5]
+    np.testing.assert_array_equal(np.asarray(scale)[ok], want_scale[ok])
+    np.testing.assert_array_equal(got[ok], want.astype(np.float32)[ok][:, columns])
+    assert np.abs(got[ok]).max() == 448 and (got[2] == 0).all() and np.asarray(scale)[2] == 1
+    assert np.isnan(got[4]).all() or not np.isfinite(np.asarray(scale)[4])

@@ -23,6 +23,7 @@ Scoring = Literal["softmax", "sigmoid"]
 ActivationDtype = Literal["bfloat16", "float32"]
 ActivationScale = Literal["auto", "checkpoint", "dynamic"]
 ReferenceActivations = Literal["bf16", "nvfp4"]
+PrefillActivations = Literal["bf16", "fp8"]
 
 
 def _fail(field: str, value, rule: str):
@@ -96,6 +97,18 @@ class MoEConfig:
         ``triton`` below SM100 do), or ``"nvfp4"``, the activations quantized exactly as the W4A4
         kernels' inputs are (per ``activation_scale``) and dequantized, so that the W4A4 layer's
         numerics can be checked on any machine (needs ``weight_format="nvfp4"``).
+      prefill_activations: what the NVFP4 expert GEMMs on SM90 multiply the weights with at prefill
+        sizes (more than two 16-row tiles per expert on average). ``"bf16"`` (the default): W4A16,
+        the activations as they are. ``"fp8"`` (opt-in, W4A8; ``expert_gemm="triton"``, inference):
+        each row quantized to E4M3 against its own amax, each weight's code times its block scale
+        placed into E4M3, Hopper's FP8 tensor cores; decode sizes stay W4A16. On one H100 at Kimi
+        K2's size (384 experts x 65536 rows, ``benchmarks/results/fp8_probe_h100/``) its GEMMs ran
+        at 0.90 (gate/up) and 0.82 (down) of dense bf16 cuBLAS on the same FLOPs, against 0.63 and
+        0.61 for W4A16 in the same harness. What it costs: the expert MLP's output moves ~4-6%
+        (relative Frobenius) from W4A16's on Gaussian rows (``benchmarks/results/w4a8_numerics_cpu/``;
+        the activations' rounding, a third of what quantizing the weights to NVFP4 moved them),
+        against W4A16's 0.2% from float64. Applies to the routed experts and, where it runs through
+        the same kernels, the NVFP4 shared expert.
 
     Implementations (each ``"auto"`` or a registered name, checked by ``resolve``; see
     ``moe-jax explain``):
@@ -131,6 +144,7 @@ class MoEConfig:
     qat: bool = False
     activation_scale: ActivationScale = "auto"
     reference_activations: ReferenceActivations = "bf16"
+    prefill_activations: PrefillActivations = "bf16"
 
     expert_gemm: str = AUTO
     exchange: str = AUTO
@@ -160,6 +174,7 @@ class MoEConfig:
             ("dtype", get_args(ActivationDtype)),
             ("activation_scale", get_args(ActivationScale)),
             ("reference_activations", get_args(ReferenceActivations)),
+            ("prefill_activations", get_args(PrefillActivations)),
         ):
             if getattr(self, field) not in allowed:
                 _fail(field, getattr(self, field), f"must be one of {', '.join(map(repr, allowed))}")
@@ -187,6 +202,9 @@ class MoEConfig:
         if self.reference_activations == "nvfp4" and self.weight_format != "nvfp4":
             _fail("reference_activations", self.reference_activations, f"needs weight_format='nvfp4' (found "
                   f"{self.weight_format!r}): it reproduces the W4A4 kernels, which take NVFP4 weights")
+        if self.prefill_activations == "fp8" and (self.weight_format != "nvfp4" or self.qat):
+            _fail("prefill_activations", self.prefill_activations, f"needs weight_format='nvfp4' without qat (found "
+                  f"{self.weight_format!r}, qat={self.qat}): W4A8 multiplies NVFP4 weights as stored")
         if self.weight_format == "nvfp4":
             for field in ("hidden_size", "expert_intermediate_size"):
                 if getattr(self, field) % 16:

@@ -288,9 +288,16 @@ def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=Non
     return y_mh.astype(dtype)
 
 
-def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
-    del target, config  # gathers, einsums and a scan: every backend runs them, and JAX differentiates them.
+def _fp8_elsewhere(config: MoEConfig) -> str | None:
+    """The reason every implementation but ``triton`` gives for ``prefill_activations='fp8'``."""
+    if config.prefill_activations == "fp8":
+        return "prefill_activations='fp8' (W4A8) runs on the 'triton' kernels only (SM90)"
     return None
+
+
+def _xla_cannot_run(target: Target, config: MoEConfig) -> str | None:
+    del target  # gathers, einsums and a scan: every backend runs them, and JAX differentiates them.
+    return _fp8_elsewhere(config)
 
 
 # Interpreted on a machine without a GPU, the kernels use the tiles of this capability.
@@ -326,6 +333,8 @@ def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
     # No condition on target.training: the kernels have a VJP (pallas_expert_gemm).
+    if reason := _fp8_elsewhere(config):
+        return reason
     if not config.interpret:
         if target.platform != "cuda":
             return (f"needs an NVIDIA GPU, found {target.platform}; MoEConfig.interpret=True runs the "
@@ -363,8 +372,11 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
     row's own amax, computed on the fly (a token's rounding depends on that token alone, and never
     saturates). Then the FP4 tensor cores multiply.
 
-    With ``row_token_m`` the gate/up kernel reads each row from the tokens by index (W4A16, and
-    bf16 weights at prefill sizes); bf16 decode sizes (the Pallas kernels) and W4A4 (whose
+    With ``config.prefill_activations="fp8"`` on SM90 (opt-in) the GEMMs at prefill sizes are
+    W4A8 (``triton_lang.W4A8_BACKEND``: rows quantized to E4M3 per row, FP8 tensor cores).
+
+    With ``row_token_m`` the gate/up kernel reads each row from the tokens by index (W4A16, W4A8,
+    and bf16 weights at prefill sizes); bf16 decode sizes (the Pallas kernels) and W4A4 (whose
     activations are quantized per row, with the row's expert's scale) gather the rows first.
     """
     triton_lang = _triton_lang()
@@ -375,9 +387,10 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
                                      row_token_m=row_token_m).astype(plan.config.dtype)
     match triton_lang.mode_for(cc):
         case triton_lang.Mode.W4A16:
+            backend = triton_lang.W4A8_BACKEND if plan.config.prefill_activations == "fp8" else triton_lang.W4A16_BACKEND
             y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
-                                         backend=triton_lang.W4A16_BACKEND, compute_capability=cc,
-                                         quantize=_quantize(plan), row_token_m=row_token_m)
+                                         backend=backend, compute_capability=cc, quantize=_quantize(plan),
+                                         row_token_m=row_token_m)
         case triton_lang.Mode.W4A4:
             x_mh = token_rows(x_mh, row_token_m)
             gate_up_scale_e, down_scale_e = _static_scales(weights)
@@ -414,6 +427,13 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
     if cc not in triton_lang.NATIVE_TILES:
         return (f"no native tile configurations for {target.device_kind} (SM{cc}); "
                 f"tuned for SM{', SM'.join(map(str, sorted(triton_lang.NATIVE_TILES)))}")
+    if config.prefill_activations == "fp8":
+        if cc not in triton_lang.W4A8_CAPABILITIES:
+            return (f"prefill_activations='fp8' (W4A8): its MMA is SM90's FP8 wgmma, found {target.device_kind} (SM{cc})"
+                    + ("; SM100/SM120 quantize activations to NVFP4 (W4A4) with the default" if cc >= 100 else ""))
+        if target.training:
+            return ("prefill_activations='fp8' (W4A8) is for inference; training multiplies bf16 activations "
+                    "(prefill_activations='bf16')")
     if (target.training or config.qat) and cc not in triton_lang.INPUT_GRAD_TILES:
         return (f"training on SM{cc}: the native backward kernels are W4A16 (SM"
                 f"{', SM'.join(map(str, sorted(triton_lang.INPUT_GRAD_TILES)))}); 'pallas' is differentiable here")
@@ -476,6 +496,11 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
             w4a4 = triton_lang.mode_for(cc) is triton_lang.Mode.W4A4
             where = (f"W4A4 on the FP4 tensor cores of SM{cc}" if w4a4
                      else f"W4A16: triton dequantizes the weights on SM{cc}")
+            if config.prefill_activations == "fp8" and not w4a4:
+                return (f"{config.dtype} at decode sizes (W4A16, the weights dequantized on SM{cc}); at prefill "
+                        "sizes (more than two 16-row tiles per expert) E4M3 per row against its own amax, the "
+                        "weights' codes times their block scales placed into E4M3, FP8 tensor cores "
+                        "(W4A8, prefill_activations='fp8'; ~4-6% from W4A16's output)")
         case "xla":
             w4a4 = config.reference_activations == "nvfp4"
             where = ("the reference's W4A4 mode, reference_activations='nvfp4'" if w4a4
@@ -534,6 +559,8 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
         return 0, f"{dense} (its width {config.shared_size} is not a multiple of {pallas_gmm.K_MULTIPLE})"
     limit = SHARED_KERNEL_MAX_TOKENS[expert_gemm]
     through = f"NVFP4 weights through the {expert_gemm} kernels as one group, read as stored"
+    if config.prefill_activations == "fp8":
+        through += " (W4A8 at prefill sizes, as the routed experts)"
     if limit is None:
         return None, f"{through}, at every size (never dequantized)"
     return limit, f"{through}, up to {limit} tokens per device; above, {dense}"

@@ -365,3 +365,52 @@ def test_native_bf16_kimi_size_top_experts_match_float64_reference(rng, record_p
 
     _check_top_experts(rng, record_property, f"native bf16 {op}", kernel, "bf16", (n, k), k, n_out,
                        lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))
+
+
+def _e4m3_round(values: np.ndarray) -> np.ndarray:
+    """float64 -> the nearest E4M3 value (ties to even), as float64."""
+    return values.astype(jnp.float8_e4m3fn).astype(np.float64)
+
+
+def _w4a8_rows(x_mk: np.ndarray) -> np.ndarray:
+    """float64 of what W4A8 multiplies each row by: quantized to E4M3 against its own amax in
+    float32 arithmetic as defined (``x * (448 / amax)``, rounded, times ``amax * float32(1/448)``)."""
+    x = x_mk.astype(np.float32)
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    safe = np.where(amax == 0, np.float32(1), amax)
+    inverse = np.where(amax == 0, np.float32(1), np.float32(448) / safe).astype(np.float32)
+    scale = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 448)).astype(np.float32)
+    return _e4m3_round((x * inverse).astype(np.float64)) * scale.astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_w4a8_kimi_size_top_experts_match_float64_of_what_it_multiplies(rng, record_property, op):
+    """``Mode.W4A8`` (SM90) at 384 experts, the top expert ids, NaN-poisoned outputs, every routing
+    of the Kimi-size harness (decode, mid and prefill row counts: every tile kind); the gate/up
+    reads its rows, and their scales, by index in a random order. The reference multiplies in
+    float64 what the kernel multiplies: each row quantized to E4M3 per row, each weight's code times
+    its block scale over 8 rounded to E4M3, times 8 and the global scale."""
+    cc = _capability()
+    if cc not in triton_lang.W4A8_CAPABILITIES:
+        pytest.skip(f"W4A8 runs on SM{sorted(triton_lang.W4A8_CAPABILITIES)}, found SM{cc}")
+    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
+    order = np.random.default_rng(int(rng.integers(1 << 31)))
+
+    def kernel(x, w, sizes, *, compute_capability, out):
+        if kernel_op is Op.MATMUL:
+            return triton_lang.run(kernel_op, x, w, sizes, compute_capability=compute_capability, out=out,
+                                   mode=triton_lang.Mode.W4A8)
+        row_token = order.permutation(x.shape[0]).astype(np.int32)
+        tokens = jnp.zeros_like(x).at[jnp.asarray(row_token)].set(x)  # tokens[row_token[m]] = x[m]
+        return triton_lang.run(kernel_op, tokens, w, sizes, compute_capability=compute_capability, out=out,
+                               mode=triton_lang.Mode.W4A8, row_token_m=jnp.asarray(row_token))
+
+    def expert_fn(x_mk, w_nk):
+        # The harness's weights (test_kimi_size_gpu.random_weights) have one global scale, this
+        # float32 constant: w_nk / g is code * scale exactly (few significant bits in float64).
+        g = np.float64(np.float32(0.3 / (6 * np.sqrt(w_nk.shape[1]))))
+        return expert_reference(op, _w4a8_rows(x_mk), _e4m3_round(w_nk / g / 8) * 8 * g)
+
+    _check_top_experts(rng, record_property, f"native w4a8 {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn,
+                       mid_rows=True)

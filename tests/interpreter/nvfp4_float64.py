@@ -10,6 +10,12 @@ from pallas_kernels.grouped_matmul.tuning import Op
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 TOLERANCE = 1e-2  # relative (Frobenius); bf16 output rounding alone is ~1.5e-3
+#: Group sizes with empty experts (first, middle), one hot expert, odd totals.
+PATTERNS = {
+    "empty experts": [5, 0, 17, 0, 3, 9],
+    "one hot expert": [0, 0, 40, 0, 0, 1],
+    "first expert empty, odd totals": [0, 33, 15, 1, 1, 19],
+}
 
 
 def e2m1(packed_u8: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import interpreted
-from nvfp4_float64 import compare, e2m1, e4m3, expert, random_problem, reference
+from nvfp4_float64 import PATTERNS, compare, e2m1, e4m3, expert, random_problem, reference
 from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, decode_tile
 
@@ -106,17 +106,6 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
     bound = np.linalg.norm(got[:total] - exact) / np.linalg.norm(exact)
     assert bound < W4A8_BOUND, f"error against unquantized rows and exact weights {bound:.3g}"
     return err, bound
-
-
-PATTERNS = {
-    "empty experts": [5, 0, 17, 0, 3, 9],
-    "one hot expert": [0, 0, 40, 0, 0, 1],
-    "first expert empty, odd totals": [0, 33, 15, 1, 1, 19],
-}
-
-
-def test_environment():
-    assert interpreted.check_environment() is None
 
 
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)

@@ -58,6 +58,24 @@ def _weights_as_multiplied(packed, scales, global_scale) -> np.ndarray:
     return _e4m3(e2m1(packed) * np.repeat(e4m3(scales), 16, axis=-1) / 8) * 8 * rows
 
 
+def _launch(spec, group_sizes, x_tokens, row_token, packed, scales, global_scale) -> np.ndarray:
+    """The W4A8 kernel on ``x_tokens`` quantized by ``quantize_fp8_rows`` (read by ``row_token``
+    where ``spec.gather_rows``), into a NaN-poisoned output; every access bounds-checked."""
+    m, experts = spec.num_rows, len(packed)
+    values, row_scale = triton_lang.quantize_fp8_rows(jnp.asarray(x_tokens), spec.block_k)
+    interpreted.reset()
+    out = np.full((m, spec.n_out), np.nan, ml_dtypes.bfloat16)
+    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
+    buffers += [interpreted.buffer(np.asarray(values), "x (E4M3, permute_k_w4a8)"),
+                interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
+                interpreted.buffer(np.asarray(row_scale), "x_global (row scales)"),
+                interpreted.buffer(row_token, "row_token" if spec.gather_rows else "row_token (unread)"),
+                interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
+                interpreted.buffer(global_scale.reshape(experts, spec.scale_groups), "w.global_scale"),
+                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
+    return interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+
+
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None, scale_groups: int = 1,
             experts=None, used=None, seed: int = 0, padding: int = 3, tokens: int = 0) -> tuple[float, float]:
     """Runs the W4A8 kernel on random bf16 rows; asserts it against float64 of what it multiplies
@@ -82,18 +100,7 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
         tile = triton_lang.NATIVE_TILES[CC][(variant, op)]
     spec = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                                  scale_groups=scale_groups, compute_capability=CC, tile=tile, gather_rows=tokens)
-    values, row_scale = triton_lang.quantize_fp8_rows(jnp.asarray(x_tokens), spec.block_k)
-    interpreted.reset()
-    out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
-    buffers = interpreted.schedule_buffers(group_sizes, m, spec.tile.rows_per_tile, spec.max_tiles)
-    buffers += [interpreted.buffer(np.asarray(values), "x (E4M3, permute_k_w4a8)"),
-                interpreted.buffer(np.zeros(1, np.uint8), "x_scales (unread)"),
-                interpreted.buffer(np.asarray(row_scale), "x_global (row scales)"),
-                interpreted.buffer(row_token, "row_token" if tokens else "row_token (unread)"),
-                interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
-                interpreted.buffer(global_scale.reshape(experts, scale_groups), "w.global_scale"),
-                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
-    got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    got = _launch(spec, group_sizes, x_tokens, row_token, packed, scales, global_scale)
     a = _rows_as_multiplied(x)
     want, start = [], 0
     for e, size in enumerate(group_sizes):
@@ -157,16 +164,7 @@ def test_a_row_with_a_non_finite_value_spoils_only_its_own_outputs():
     x[4, 17] = np.nan
     spec = triton_lang.make_spec(Op.MATMUL, triton_lang.Mode.W4A8, num_rows=11, num_experts=2, k=256, n_out=64,
                                  scale_groups=1, compute_capability=CC, tile=decode_tile(16, 32, 128, 4, 2))
-    values, row_scale = triton_lang.quantize_fp8_rows(jnp.asarray(x), spec.block_k)
-    interpreted.reset()
-    out = np.full((11, 64), np.nan, ml_dtypes.bfloat16)
-    buffers = interpreted.schedule_buffers(group_sizes, 11, spec.tile.rows_per_tile, spec.max_tiles)
-    buffers += [interpreted.buffer(np.asarray(values), "x"), interpreted.buffer(np.zeros(1, np.uint8), "unread"),
-                interpreted.buffer(np.asarray(row_scale), "x_global"), interpreted.buffer(np.zeros(1, np.int32), "unread"),
-                interpreted.buffer(packed, "w.packed"), interpreted.buffer(scales, "w.scales"),
-                interpreted.buffer(global_scale.reshape(2, 1), "w.global_scale"),
-                interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
-    got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
+    got = _launch(spec, group_sizes, x, np.zeros(1, np.int32), packed, scales, global_scale)
     assert np.isnan(got[4]).all()
     others = [r for r in range(11) if r != 4]
     assert np.isfinite(got[others]).all()

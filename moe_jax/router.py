@@ -177,9 +177,9 @@ def top_k_method(tokens: int, experts: int, k: int, *, platform: str) -> str:
 
 
 def _top_k_by_argmax(choice_te: jax.Array, k: int) -> jax.Array:
-    """int32 ``[T, k]``: ``k`` argmaxes over an int32 key in the floats' total order (the order
-    ``jax.lax.top_k`` sorts by: -0.0 below +0.0); ``argmax`` takes the first maximum, so ties go
-    to the lower index, as the sort's do. NaN must already be mapped to +inf."""
+    """int32 ``[T, k]``: ``k`` argmaxes over an int32 key in the floats' total order; ``argmax``
+    takes the first maximum, so ties go to the lower index, as the sort's do. NaN must already be
+    mapped to +inf and -0.0 to +0.0."""
     bits_te = jax.lax.bitcast_convert_type(choice_te.astype(jnp.float32), jnp.int32)
     # Negative floats order backwards in their bits: flip all but the sign bit.
     key_te = bits_te ^ ((bits_te >> 31) & jnp.int32(0x7FFFFFFF))
@@ -194,7 +194,7 @@ def _top_k_by_argmax(choice_te: jax.Array, k: int) -> jax.Array:
 
 def top_k_ids(choice_te: jax.Array, k: int, *, method: str | None = None) -> jax.Array:
     """int32 ``[T, k]``: each row's ``k`` largest entries, largest first, ties to the lower
-    index, as ``jax.lax.top_k`` orders them (-0.0 below +0.0); a NaN counts as +inf.
+    index; a NaN counts as +inf, and -0.0 ties with +0.0.
 
     ``method``: ``"sort"`` (``jax.lax.top_k``), ``"argmax"`` (``k`` row-wise argmaxes over the
     floats' total order, :func:`_top_k_by_argmax`), or None: :func:`top_k_method` for these sizes
@@ -211,7 +211,9 @@ def top_k_ids(choice_te: jax.Array, k: int, *, method: str | None = None) -> jax
         method = top_k_method(t, e, k, platform=jax.default_backend())
     if method not in ("sort", "argmax"):
         raise ValueError(f"method: {method!r}, expected 'sort', 'argmax' or None")
-    choice_te = jnp.where(jnp.isnan(choice_te), jnp.inf, choice_te)
+    # One order on every backend: on GPUs XLA's TopK kernel for rows of 1024+ entries ties -0.0
+    # with +0.0, while its sort of shorter rows and XLA:CPU's put -0.0 below.
+    choice_te = jnp.where(jnp.isnan(choice_te), jnp.inf, jnp.where(choice_te == 0, 0.0, choice_te))
     with jax.named_scope(f"moe_jax.router.top_k_{method}"):
         if method == "argmax":
             return _top_k_by_argmax(choice_te, k)

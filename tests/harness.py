@@ -140,7 +140,7 @@ def random_params(config: MoEConfig, rng, *, own_scales: bool = False):
     has one. ``own_scales``: NVFP4 gate and up quantized separately, up 3-10x larger, so each
     expert's fused gate/up weight keeps two global scales (``[E, 2]``), as such a checkpoint loads."""
     params = init_params(dataclasses.replace(config, weight_format="bf16", qat=False, shared_weight_format=None,
-                                             reference_activations="bf16"),
+                                             reference_activations="bf16", prefill_activations="bf16"),
                          jax.random.key(int(rng.integers(1 << 30))))
     if config.router_bias:
         params["router"]["bias_e"] = jnp.asarray(rng.standard_normal(config.num_experts) * 0.3, jnp.float32)

@@ -325,11 +325,10 @@ def test_logits_gradients_are_those_of_the_float32_matmul(rng):
 
 
 def stable_top_k_np(values, k):
-    """The reference order: largest first, ties to the lower index, NaN as +inf, -0.0 below
-    +0.0 (float64; the zeros apart by a stable two-key sort)."""
+    """The reference order: largest first, ties to the lower index, NaN as +inf, -0.0 tied with
+    +0.0 (float64, a stable sort)."""
     v = np.where(np.isnan(values), np.inf, values.astype(np.float64))
-    negative_zero = (v == 0) & np.signbit(v)
-    return np.lexsort((negative_zero, -v), axis=-1)[:, :k]
+    return np.argsort(-v, axis=-1, kind="stable")[:, :k]
 
 
 @pytest.mark.parametrize(("width", "k"), [(width, k) for width in (8, 255, 256, 384, 1023, 1024, 1500)
@@ -337,8 +336,9 @@ def stable_top_k_np(values, k):
 @pytest.mark.parametrize("method", ["sort", "argmax"])
 def test_top_k_ids_is_the_stable_order_at_every_width(rng, width, k, method):
     """Both methods choose the same ids in the same order as a stable float64 sort: ties (a few
-    levels), -inf and +inf entries, a row of -inf only, NaN (as +inf), and -0.0 below +0.0 (the
-    total order ``jax.lax.top_k`` sorts by) included."""
+    levels), -inf and +inf entries, a row of -inf only, NaN (as +inf), and -0.0 tied with +0.0
+    (on GPUs ``jax.lax.top_k`` puts -0.0 below +0.0 in rows under 1024 entries, not in longer
+    ones: 230b69d's check, H100) included."""
     values = rng.integers(0, 6, (40, width)).astype(np.float32) * 0.25  # many exact ties
     values[1] = -np.inf
     values[2, ::3] = -np.inf
@@ -381,8 +381,9 @@ def test_top_k_method_follows_the_measured_crossover(tokens, experts, k, platfor
 @pytest.mark.gpu
 def test_kimi_size_top_k_runs_as_argmaxes_with_the_sorts_choice(rng):
     """At Kimi K2's [8192, 384] a GPU takes the argmaxes by default (named in the HLO, no sort in
-    the compiled program), and their choice is the sort's: ``jax.lax.top_k`` on the same GPU and
-    the stable float64 order, with exact ties, -inf entries and signed zeros."""
+    the compiled program), and their choice is the sort's: ``jax.lax.top_k`` on the same GPU (of
+    the zeros made one sign) and the stable float64 order, with exact ties, -inf entries and
+    signed zeros."""
     values = rng.integers(0, 50, (8192, 384)).astype(np.float32) / 49
     values[::97, ::5] = -np.inf
     values[1::89] = np.where(np.arange(384) % 3, -0.0, 0.0)
@@ -392,5 +393,6 @@ def test_kimi_size_top_k_runs_as_argmaxes_with_the_sorts_choice(rng):
     hlo = chosen.lower(x).compile().as_text()
     assert " sort(" not in hlo, [line for line in hlo.splitlines() if "sort" in line][:3]
     ids = np.asarray(chosen(x))
-    np.testing.assert_array_equal(ids, np.asarray(jax.jit(lambda v: jax.lax.top_k(v, 8)[1])(x)))
+    np.testing.assert_array_equal(ids, np.asarray(jax.jit(lambda v: jax.lax.top_k(v, 8)[1])(
+        jax.device_put(np.where(values == 0, np.float32(0), values), jax.devices("gpu")[0]))))
     np.testing.assert_array_equal(ids, stable_top_k_np(values, 8))

@@ -46,10 +46,13 @@ import moe_jax  # noqa: E402
 from benchmarks.expert_parallel import timed  # noqa: E402
 
 
-def config_for(preset: str, fmt: str, gemm: str, shared_fmt: str | None = None) -> moe_jax.MoEConfig:
+def config_for(preset: str, fmt: str, gemm: str, shared_fmt: str | None = None,
+               prefill_activations: str = "bf16") -> moe_jax.MoEConfig:
     """``shared_fmt`` None: the shared expert in the routed experts' format; ``"bf16"``: as
-    NVIDIA's NVFP4 export of Kimi K2 keeps it."""
-    config = moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm, shared_weight_format=shared_fmt)
+    NVIDIA's NVFP4 export of Kimi K2 keeps it. ``prefill_activations="fp8"``: W4A8 at prefill
+    sizes (SM90, ``triton``)."""
+    config = moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm, shared_weight_format=shared_fmt,
+                                       prefill_activations=prefill_activations)
     if preset == "kimi_k2":
         return config
     return dataclasses.replace(config, num_experts=16, hidden_size=256, expert_intermediate_size=128, top_k=4)
@@ -152,6 +155,8 @@ def markdown(results: dict) -> str:
              f"`{meta['resolved_expert_gemm']}`; "
              + ("shared expert in bf16, an XLA dot" if meta.get("shared_format") == "bf16" else
                 f"shared expert through the kernels up to {meta.get('shared_kernel_max_tokens', '?')} tokens")
+             + ("; W4A8 at prefill sizes, `prefill_activations='fp8'`"
+                if meta.get("prefill_activations") == "fp8" else "")
              + "), all experts on one device. Wall: median of 5 windows of "
              f"{meta['iters']} calls, no profiler. Span, busy and the kernel table: {meta['calls']} calls under "
              "`jax.profiler.trace`, per call; busy = time at least one kernel runs, so span - busy is the "
@@ -197,12 +202,14 @@ def main() -> None:
     parser.add_argument("--router-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the router's weights (checkpoints of Kimi K2 and DeepSeek-V3 store them in bf16, "
                              "and the loader keeps them so: one bf16 matmul for the logits instead of three)")
+    parser.add_argument("--prefill-activations", default="bf16", choices=["bf16", "fp8"],
+                        help="fp8: W4A8 at prefill sizes (MoEConfig.prefill_activations; SM90, 'triton')")
     parser.add_argument("--keep-trace", action="store_true", help="copy the raw trace files into --out")
     args = parser.parse_args()
     if args.calls < 1 or args.iters < 1:
         parser.error(f"--calls {args.calls}, --iters {args.iters}: expected >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    config = config_for(args.preset, args.format, args.expert_gemm, args.shared_format)
+    config = config_for(args.preset, args.format, args.expert_gemm, args.shared_format, args.prefill_activations)
     plan = moe_jax.resolve(config, None)
     if args.shared_kernel_max_tokens is not None:
         plan = dataclasses.replace(plan, shared_kernel_max_tokens=args.shared_kernel_max_tokens)
@@ -211,6 +218,7 @@ def main() -> None:
                         "commit": os.environ.get("GIT_COMMIT", "unknown"), "preset": args.preset,
                         "format": args.format, "shared_format": str(config.shared_format),
                         "router_dtype": args.router_dtype, "expert_gemm": args.expert_gemm,
+                        "prefill_activations": config.prefill_activations,
                         "resolved_expert_gemm": plan.expert_gemm, "calls": args.calls,
                         "shared_kernel_max_tokens": plan.shared_kernel_max_tokens, "iters": args.iters,
                         "jax": jax.__version__, "report": plan.report,

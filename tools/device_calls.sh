@@ -17,16 +17,18 @@
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
 #   ws        the warp-specialized candidate with its extra rows in the token ring, and multiplied
 #             as 128 rows (two experiments on its NaN rows): correctness first, then timing (~350 s)
+#   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
+#             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 per tile and persistent (tensor pipe, issue slots, stalls; ~200 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|ncu OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|ncu OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|w4a8|ncu OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|w4a8|ncu OUT}
 case "$call" in
-  layer|probes|training|ws|ncu) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws, ncu)"; exit 2 ;;
+  layer|probes|training|ws|w4a8|ncu) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws, w4a8, ncu)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -84,6 +86,14 @@ case "$call" in
       --once --candidates "ws bk64 s4 x2 in x" "ws bk64 s4 x2 as 128"
     step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
       --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
+    ;;
+  w4a8)
+    step layer_w4a8 200 python benchmarks/layer.py --out "$out/layer_w4a8" --tokens 32 256 8192 --iters 10 \
+      --impls "nvfp4 triton" "nvfp4 triton, W4A8 at prefill (prefill_activations='fp8')"
+    step profile_w4a8_8192 90 python benchmarks/profile_layer.py --out "$out/profile_w4a8_8192" --tokens 8192 \
+      --expert-gemm triton --prefill-activations fp8 --calls 20
+    step profile_w4a16_8192 90 python benchmarks/profile_layer.py --out "$out/profile_w4a16_8192" --tokens 8192 \
+      --expert-gemm triton --calls 20
     ;;
   ncu)  # one kernel launch each, in this order: table, probe per tile, probe persistent
     step ncu_down 240 ncu --clock-control none --kernel-name regex:"^_(persistent_)?kernel" --launch-count 3 \

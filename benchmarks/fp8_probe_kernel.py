@@ -162,8 +162,8 @@ def _mma_done(acc):
 
 
 @triton.jit
-def _persistent_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, out_in_ptr, out_ptr,
-                       num_tiles_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr,
+def _persistent_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, num_tiles_ptr,
+                       out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr,
                        MODE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
     """:func:`_kernel`'s work as ``num_programs`` programs: program ``p`` takes work items ``p,
     p + P, ...`` of the ``num_tiles_ptr[0]`` used row tiles x output columns (``GROUP_T`` row
@@ -284,7 +284,7 @@ class ProbeSpec:
         """Argument types for ``triton.compile`` (cross-compilation, no GPU)."""
         x = "*bf16" if self.mode in (Mode.BF16, Mode.W4A16) else "*fp8e4nv"
         w = {Mode.BF16: "*bf16", Mode.FP8: "*fp8e4nv", Mode.W4A8: "*u8", Mode.W4A16: "*u8"}[self.mode]
-        types = ["*i32", "*i32", "*i32", x, w, "*u8", "*bf16", "*bf16"] + (["*i32"] if self.persistent else [])
+        types = ["*i32", "*i32", "*i32", x, w, "*u8"] + (["*i32"] if self.persistent else []) + ["*bf16", "*bf16"]
         return {**dict(zip(self.kernel.arg_names, types, strict=False)),
                 **dict.fromkeys(self.constexprs(), "constexpr")}
 
@@ -301,10 +301,12 @@ def launch(spec: ProbeSpec, group_sizes_e, x_mk, w, w_scales_u8, out=None):
 
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS,
                                             num_tiles=spec.max_tiles)
-    operands = (*schedule, x_mk, w, w_scales_u8, jnp.zeros((1,), jnp.bfloat16) if out is None else out)
-    aliases = None if out is None else {len(operands) - 1: 0}
+    operands = (*schedule, x_mk, w, w_scales_u8)
     if spec.persistent:  # the used row tiles: the schedule puts them first
         operands += (jnp.sum(schedule[1] < schedule[2], dtype=jnp.int32).reshape(1),)
+    # jax-triton passes the operands in order, then the output: the kernels' last two pointers.
+    operands += (jnp.zeros((1,), jnp.bfloat16) if out is None else out,)
+    aliases = None if out is None else {len(operands) - 1: 0}
     return jax_triton.triton_call(
         *operands, kernel=spec.kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
         grid=(spec.num_programs,), num_warps=spec.num_warps, num_stages=spec.num_stages,

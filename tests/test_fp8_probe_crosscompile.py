@@ -96,3 +96,42 @@ def test_w4a8_dequantizes_in_registers_in_fewer_instructions_than_w4a16():
     w4a16 = max(k_loops(table.sass), key=lambda c: c["HGMMA"])
     assert w4a8["STS"] == 0 and w4a8["QGMMA"] * 2 == w4a16["HGMMA"], (w4a8, w4a16)
     assert w4a8["total"] < w4a16["total"], (w4a8["total"], w4a16["total"])
+
+
+_POINTER_TYPES = {"int32": "*i32", "bfloat16": "*bf16", "float8_e4m3fn": "*fp8e4nv", "uint8": "*u8"}
+
+
+@pytest.mark.parametrize("persistent", [0, 3], ids=["per_tile", "persistent"])
+@pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
+def test_launch_passes_each_pointer_where_the_kernel_reads_it(monkeypatch, mode, persistent):
+    """jax-triton passes the operands in order and then the output: those pointers' types are the
+    kernel's own (``ProbeSpec.signature``, which the cross-compilation above uses), in its order.
+    (The persistent kernel once took its count of used tiles after ``out``: on the GPU it read the
+    output buffer as that count and did not compile, 77e571b's probe call.)"""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    seen = {}
+
+    def triton_call(*operands, kernel, out_shape, input_output_aliases=None, **_):
+        seen.update(pointers=[_POINTER_TYPES[str(a.dtype)] for a in operands] + [_POINTER_TYPES[str(out_shape.dtype)]],
+                    aliases=input_output_aliases, count=len(operands))
+        return jnp.zeros(out_shape.shape, out_shape.dtype)
+
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
+    k, n_out, experts, m = 256, 128, 4, 256
+    spec = fk.ProbeSpec(mode=mode, op=Op.MATMUL, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+                        persistent=persistent)
+    x_dtype = jnp.bfloat16 if mode in (fk.Mode.BF16, fk.Mode.W4A16) else jnp.float8_e4m3fn
+    w = {fk.Mode.BF16: jnp.zeros((experts, n_out, k), jnp.bfloat16),
+         fk.Mode.FP8: jnp.zeros((experts, n_out, k), jnp.float8_e4m3fn)}.get(
+        mode, jnp.zeros((experts, n_out, k // 2), jnp.uint8))
+    out = jnp.zeros((m, n_out), jnp.bfloat16)
+    jax.eval_shape(lambda o: fk.launch(spec, jnp.full((experts,), m // experts, jnp.int32), jnp.zeros((m, k), x_dtype),
+                                       w, jnp.zeros((experts, n_out, k // 16), jnp.uint8), o), out)
+    wanted = [t for t in spec.signature().values() if t != "constexpr"]
+    assert seen["pointers"] == wanted, (seen["pointers"], wanted)
+    assert seen["aliases"] == {seen["count"] - 1: 0}  # the buffer written into is out's

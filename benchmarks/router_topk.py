@@ -10,15 +10,16 @@ the same choice (each row's ``k`` largest, largest first, ties to the lower inde
 * ``sort``: ``jax.lax.top_k`` of the rows as they are (XLA sorts rows narrower than 1024 whole);
 * ``padded``: the rows padded with -inf to 1024, so XLA runs its TopK kernel (the library's
   choice on GPUs from 2f15176 until this probe measured it: the slowest at prefill sizes);
-* ``argmax``: ``k`` row-wise argmaxes over an int32 key in the floats' total order (the order
-  ``jax.lax.top_k`` sorts by: -0.0 below +0.0), each chosen entry's key set below every float's
-  before the next (a chosen entry can never be taken twice, even where the rest of the row is
-  -inf).
+* ``argmax``: ``k`` row-wise argmaxes over an int32 key in the floats' total order, each chosen
+  entry's key set below every float's before the next (a chosen entry can never be taken twice,
+  even where the rest of the row is -inf).
 
-Each formulation's choice is compared with a stable float64 sort in that total order on the host
-(random scores; scores with ties, infinities and NaN) before it is timed; a mismatch gets no time.
-Rows whose top k tie between -0.0 and +0.0 are checked apart and only noted: XLA's TopK kernel
-compares with ``>``, so there it may take -0.0 before +0.0 where the sort does not.
+``router.top_k_ids`` (``sort`` and ``argmax``) ties -0.0 with +0.0: on GPUs ``jax.lax.top_k`` puts
+-0.0 below +0.0 in rows under 1024 entries and not in longer ones (XLA's TopK kernel compares with
+``>``). Each formulation's choice is compared with a stable float64 sort on the host, zeros of
+either sign tied (random scores; scores with ties, infinities and NaN), before it is timed; a
+mismatch gets no time. Rows with signed zeros are checked apart and only noted (``padded`` keeps
+the signs).
 
 Usage::
 
@@ -62,10 +63,9 @@ FORMULATIONS = {
 
 def stable_reference(scores_te: np.ndarray, k: int) -> np.ndarray:
     """The choice by a stable float64 sort on the host: largest first, ties to the lower index,
-    NaN as +inf, -0.0 below +0.0 (as the smallest negative float64, which no float32 reaches)."""
+    NaN as +inf, -0.0 tied with +0.0."""
     x = np.asarray(scores_te, np.float64)
     x = np.where(np.isnan(x), np.inf, x)
-    x = np.where((x == 0) & np.signbit(x), -np.nextafter(0.0, 1.0), x)
     return np.argsort(-x, axis=1, kind="stable")[:, :k].astype(np.int32)
 
 
@@ -133,8 +133,8 @@ def markdown(results: dict) -> str:
     lines = [f"# The router's top-k by formulation ({meta['device']})", "",
              f"{meta['date']}, commit {meta['commit']}, `{meta['command']}`; us per call, median of "
              f"{meta['windows']} windows of {meta['iters']} calls; k = {meta['k']}. Every formulation's "
-             "choice was first compared with a stable float64 sort in the floats' total order (random scores; "
-             "ties, infinities and NaN; -0.0 against +0.0 apart).", "",
+             "choice was first compared with a stable float64 sort, -0.0 tied with +0.0 (random scores; "
+             "ties, infinities and NaN; signed zeros apart).", "",
              "| experts | tokens | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
     keys = sorted({(r["experts"], r["tokens"]) for r in rows}, key=lambda e_t: (-e_t[0], e_t[1]))
     by = {(r["formulation"], r["experts"], r["tokens"]): r for r in rows}

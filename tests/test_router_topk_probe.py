@@ -23,12 +23,12 @@ _spec.loader.exec_module(probe)
 
 def _float64_stable_choice(scores_te: np.ndarray, k: int) -> np.ndarray:
     """Written here, not taken from the probe: a row's k largest by Python's stable sort, NaN as
-    +inf, -0.0 below +0.0 (``jax.lax.top_k``'s total order)."""
+    +inf, -0.0 tied with +0.0 (as ``router.top_k_ids`` chooses)."""
     out = []
     for row in scores_te.astype(np.float64).tolist():
-        # (value, 1 unless the value is -0.0), largest first; sorted() keeps ties in index order
-        key = [(np.inf if np.isnan(v) else v, 0 if v == 0 and np.copysign(1.0, v) < 0 else 1) for v in row]
-        out.append(sorted(range(len(row)), key=lambda i: (-key[i][0], -key[i][1]))[:k])
+        # largest first; sorted() keeps ties, -0.0 == 0.0 among them, in index order
+        key = [np.inf if np.isnan(v) else v for v in row]
+        out.append(sorted(range(len(row)), key=lambda i: -key[i])[:k])
     return np.asarray(out, np.int32)
 
 

@@ -690,7 +690,7 @@ def quantize_fp8_rows(x_mk, block_k: int) -> tuple[jax.Array, jax.Array]:
     x_mk = x_mk.astype(jnp.float32)
     amax_m = jnp.max(jnp.abs(x_mk), axis=1)
     zero_m = amax_m == 0
-    inverse_m = jnp.where(zero_m, 1.0, FP8_MAX / jnp.where(zero_m, 1.0, amax_m))
+    inverse_m = FP8_MAX / jnp.where(zero_m, 1.0, amax_m)  # a zero row's values stay zero whatever it is
     scale_m = jnp.where(zero_m, 1.0, amax_m * np.float32(1 / FP8_MAX))
     values_mk = jnp.clip(x_mk * inverse_m[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return permute_k_w4a8(values_mk, block_k), scale_m

@@ -3,7 +3,7 @@ against the W4A16 table kernel and the dense cuBLAS anchor, at Kimi K2's prefill
 
 Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; gate/up K 7168 N
 2x2048 with SwiGLU, down K 2048 N 7168), from one set of random NVFP4 weights
-(``gluon_probe.nvfp4_weights``, global scales 1) and one set of bf16 rows:
+(:func:`nvfp4_weights`, global scales 1) and one set of bf16 rows:
 
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
@@ -16,11 +16,6 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
   in its dequantization and MMA;
 * ``probe w4a8``: the NVFP4 weights placed into E4M3 in registers, E4M3 rows (in the probe's
   column order); ``probe w4a8 s4`` with 4 pipeline stages instead of 3 (126 KB of shared memory);
-* ``probe w4a16 persistent``, ``probe w4a8 persistent``, ``probe fp8 persistent``: the same modes as
-  one program per SM walking its tiles in one loop of K steps (``ProbeSpec(persistent=132)``), the
-  next tile's first steps loaded while this one's last MMAs and epilogue run: against the per-tile
-  kernel of the same mode, how much of a tile's time its pipeline fill and epilogue take (the
-  down projection's 16 K steps a tile pay them in proportion).
 
 Each kernel writes into a NaN-poisoned buffer; recorded: NaN rows among the defined ones, the
 relative error of sampled rows (experts 0, 1, 191, 383) against float64 of the values that kernel
@@ -46,14 +41,49 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4",
-           "probe w4a16 persistent", "probe w4a8 persistent", "probe fp8 persistent")
-#: Programs of the persistent kernels: one per SM of an H100 or H200.
-SMS = 132
+KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
 
 
 def left(budget: float) -> float:
     return budget - (time.monotonic() - T0)
+
+
+def irregular_sizes(m: int) -> np.ndarray:
+    """Group sizes summing to ``m``: a cycle through each tile kind's edges, scaled down if it sums
+    past ``m``, the remainder on expert ``E - 1``."""
+    cycle = np.array([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 384, 17, 250], np.int64)
+    sizes = np.resize(cycle, E)
+    if sizes.sum() > m:
+        sizes = sizes * m // sizes.sum()
+    sizes[-1] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+def nvfp4_weights(jax, jnp, kw, ks, kg, n_w: int, k: int):
+    """Random NVFP4 weights ``[E, n_w, k]`` in ModelOpt's layout, generated on the device in 16
+    jitted chunks (the generators' 32-bit intermediates of one 5.6 GB draw do not fit). Codes as
+    ModelOpt's quantizer gives them for Gaussian weights (about 2 sigma per block at the top
+    code), not uniform bits: uniform codes toggle more bits, and on an H200's power cap that
+    alone cost ~15% (the table kernel at 378 against 430-460 TFLOP/s)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    bounds = jnp.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], jnp.float32)
+
+    def gen_codes(key):
+        v = jax.random.normal(key, (E // 16, n_w, k // 2, 2), jnp.float32) * 2.0
+        code = (jnp.sum(jnp.abs(v)[..., None] > bounds, axis=-1).astype(jnp.uint8)
+                | jnp.where(v < 0, 8, 0).astype(jnp.uint8))
+        return code[..., 0] | (code[..., 1] << 4)
+
+    gen_w = jax.jit(gen_codes)
+    # E4M3 bits 0x30..0x3f: 2**-1 .. 2**0 * 1.875, positive, never NaN.
+    gen_s = jax.jit(lambda key: jax.random.randint(key, (E // 16, n_w, k // 16), 0x30, 0x40).astype(jnp.uint8))
+    packed = jnp.concatenate([gen_w(jax.random.fold_in(kw, c)) for c in range(16)])  # peak ~4 GB per chunk
+    scales_u8 = jnp.concatenate([gen_s(jax.random.fold_in(ks, c)) for c in range(16)])
+    global_e = jax.random.uniform(kg, (E,), jnp.float32, 0.5, 1.5) / np.sqrt(k)
+    jax.block_until_ready((packed, scales_u8))
+    return SimpleNamespace(packed=packed, scales=jax.lax.bitcast_convert_type(scales_u8, jnp.float8_e4m3fn),
+                           global_scale=global_e)
 
 
 def main() -> None:
@@ -68,7 +98,7 @@ def main() -> None:
     ap.add_argument("--once", action="store_true",
                     help="run each kernel once (its correctness row) and time nothing, no dense anchor: for ncu")
     ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
-                    help="irregular: gluon_probe's experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile "
+                    help="irregular: experts of 0, 1, 63-65, 127-129, 191-193, 384 ... rows (every tile "
                          "path and its edges), the remainder on the last expert")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -85,7 +115,6 @@ def main() -> None:
     import jax.numpy as jnp
 
     from benchmarks import fp8_probe_kernel as fk
-    from benchmarks.gluon_probe import irregular_sizes, nvfp4_weights
     from pallas_kernels.grouped_matmul import triton_lang
     from pallas_kernels.grouped_matmul.tuning import Op
 
@@ -194,8 +223,7 @@ def main() -> None:
                     else:
                         mode = fk.Mode[label.split()[1].upper()]
                         spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=E, k=k, n_out=n_out,
-                                            block_n=block_n, stages=4 if label.endswith(" s4") else None,
-                                            persistent=SMS if label.endswith(" persistent") else 0)
+                                            block_n=block_n, stages=4 if label.endswith(" s4") else None)
                         unread = scales_u8[:1, :1, :1]
                         weights = {fk.Mode.BF16: (w_bf16, unread), fk.Mode.FP8: (w_fp8, unread),
                                    fk.Mode.W4A8: (w.packed, scales_u8), fk.Mode.W4A16: (w.packed, scales_u8)}[mode]

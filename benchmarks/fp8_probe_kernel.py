@@ -24,14 +24,6 @@ its conversion back to E4M3 rounds it to 4 (satfinite; ``6 * 448 * 2**-3 = 336``
 epilogue multiplies by ``2**3``; global scales are left out (the probe's weights have none), as is
 each row's activation scale (the harness's rows are E4M3 values as they are).
 
-``ProbeSpec(persistent=P)`` runs any mode as a persistent kernel (:func:`_persistent_kernel`): P
-programs, each walking its work items (tile x output columns) in one flat loop of K steps whose
-tile is read from the schedule by the loop index alone, so that Triton's software pipeline loads
-the next tile's first steps while this tile's last MMAs and its epilogue run. Every tile is the
-128 + 64-row path (a tile of fewer rows multiplies padding). What it measures: how much of a
-tile's time is its pipeline fill and epilogue, which a short K loop (the down projection: 16
-steps of 128) pays in proportion (NOTES section 1, "A persistent probe").
-
 Not the library's kernel: no checks, one block_k (128, the table's prefill tile), no rows by index.
 """
 
@@ -144,93 +136,6 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
                   FUSED, False, False, True, EXTRA_M, BLOCK_N, 0)
 
 
-#: Waits for every ``wgmma`` of the warp group, then copies one accumulator register.
-_MMA_DONE_PTX = tl.constexpr("wgmma.wait_group.sync.aligned 0;\nmov.b32 $0, $1;")
-
-
-@triton.jit
-def _mma_done(acc):
-    """``acc`` read after every asynchronous MMA of the warp group has completed. Triton 3.6's
-    pipeliner splits a dot with a register operand into one ``wgmma`` group per 16 columns of K
-    and leaves up to 15 groups in flight across the loop; read inside the loop (a tile's epilogue
-    in :func:`_persistent_kernel`), the accumulator would be read while they still write it: it
-    inserts no wait there (cross-compiled for SM90: ``wgmma.wait_group 15`` before the stores, the
-    one ``wait_group 0`` after the loop). The wait is in the PTX that reads each register."""
-    bits = tl.inline_asm_elementwise(_MMA_DONE_PTX, "=r,r", [acc.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _persistent_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, w_ptr, w_scale_ptr, num_tiles_ptr,
-                       out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, FUSED: tl.constexpr,
-                       MODE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """:func:`_kernel`'s work as ``num_programs`` programs: program ``p`` takes work items ``p,
-    p + P, ...`` of the ``num_tiles_ptr[0]`` used row tiles x output columns (``GROUP_T`` row
-    tiles a column tile, as :func:`triton_lang._program_tile` orders them), all ``K / BLOCK_K``
-    steps of each, in one loop; every tile as 128 + 64 rows."""
-    STEPS: tl.constexpr = K // BLOCK_K
-    COLUMN_TILES: tl.constexpr = N_OUT // BLOCK_N
-    R: tl.constexpr = 2 * BLOCK_N if FUSED else BLOCK_N
-    per_group: tl.constexpr = GROUP_T * COLUMN_TILES
-    programs = tl.num_programs(0)
-    program = tl.program_id(0)
-    used_tiles = tl.load(num_tiles_ptr)
-    items = tl.maximum(tl.cdiv(used_tiles * COLUMN_TILES - program, programs), 0)
-    r = tl.arange(0, R)
-    half_r = r // BLOCK_N
-    local_m = tl.arange(0, 128)
-    local_x = 128 + tl.arange(0, 64)
-    acc = tl.zeros((R, 128), tl.float32)
-    acc2 = tl.zeros((R, 64), tl.float32)
-    # Everything a step reads follows from the loop index and the schedule (no value carried
-    # from one step to the next but the accumulators), so the pipeline runs across tiles.
-    for s in tl.range(0, items * STEPS, num_stages=NUM_STAGES):
-        round_ = s // STEPS
-        item = program + round_ * programs
-        i = s - round_ * STEPS  # (s % STEPS: Triton's interpreter has no int % constexpr)
-        first_t = (item // per_group) * GROUP_T
-        rows_here = tl.minimum(used_tiles - first_t, GROUP_T)
-        local = item % per_group
-        t = first_t + local % rows_here
-        j = local // rows_here
-        row_start = tl.load(tile_start_ptr + t)
-        row_end = tl.load(tile_end_ptr + t)
-        expert = tl.load(tile_expert_ptr + t).to(tl.int64)
-        first_row = row_start.to(tl.int64)
-        w_row_r = half_r * N_OUT + j * BLOCK_N + r % BLOCK_N
-        row_ok_m = row_start + local_m < row_end
-        row_ok_x = row_start + local_x < row_end
-        k_cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_mk = tl.load(x_ptr + first_row * K + (local_m[:, None] * K + k_cols[None, :]), mask=row_ok_m[:, None],
-                       other=0.0)
-        x2_mk = tl.load(x_ptr + first_row * K + (local_x[:, None] * K + k_cols[None, :]), mask=row_ok_x[:, None],
-                        other=0.0)
-        if MODE >= 2:  # packed NVFP4 words and their E4M3 block scales
-            word_cols = i * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            scale_cols = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-            words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + expert * (N_W * (K // 8))
-                            + (w_row_r[:, None] * (K // 8) + word_cols[None, :]))
-            scales = tl.load(w_scale_ptr + expert * (N_W * (K // 16))
-                             + (w_row_r[:, None] * (K // 16) + scale_cols[None, :]))
-            if MODE == 2:
-                w_rk = _dequantize_w4a8(words, scales, R, BLOCK_K)
-            else:
-                w_rk = _dequantize_w4a16(words, scales, R, BLOCK_K)
-        else:
-            w_rk = tl.load(w_ptr + expert * (N_W * K) + (w_row_r[:, None] * K + k_cols[None, :]))
-        acc = tl.dot(w_rk, tl.trans(x_mk), acc)
-        acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
-        if i == STEPS - 1:
-            factor: tl.constexpr = 8.0 if MODE == 2 else 128.0 if MODE == 3 else 1.0
-            _epilogue(_mma_done(acc) * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr,
-                      out_ptr, N_OUT, 1, FUSED, False, False, True, 128, BLOCK_N, 0)
-            _epilogue(_mma_done(acc2) * factor, local_x, row_ok_x, first_row, expert, j, half_r, out_ptr, out_ptr,
-                      out_ptr, N_OUT, 1, FUSED, False, False, True, 64, BLOCK_N, 0)
-            acc = tl.zeros((R, 128), tl.float32)
-            acc2 = tl.zeros((R, 64), tl.float32)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbeSpec:
     """One launch (hashable: it keys the jit cache)."""
@@ -246,20 +151,14 @@ class ProbeSpec:
     #: None: 2 for bf16 (3 stages of 128 x 128 weights and 192 x 128 rows would need 240 KB), else 3.
     stages: int | None = None
     group_t: int = 8
-    #: Programs of :func:`_persistent_kernel` (one per SM: 132 on an H200), or 0 for :func:`_kernel`.
-    persistent: int = 0
 
     @property
     def num_stages(self) -> int:
-        # The persistent loop reads its tile by the loop index: Triton's pipeliner gives the
-        # schedule's loads a stage and the weights and rows that depend on them the next, so two
-        # more stages keep them as far ahead as the table kernel's (cross-compiled for SM90:
-        # three row buffers, two of words and scales, no spills; with one more, one of words).
-        return self.stages or (2 if self.mode is Mode.BF16 else 3) + (2 if self.persistent else 0)
+        return self.stages or (2 if self.mode is Mode.BF16 else 3)
 
     @property
     def kernel(self):
-        return _persistent_kernel if self.persistent else _kernel
+        return _kernel
 
     @property
     def weight_rows(self) -> int:
@@ -271,20 +170,18 @@ class ProbeSpec:
 
     @property
     def num_programs(self) -> int:
-        items = self.max_tiles * (self.n_out // self.block_n)
-        return min(self.persistent, items) if self.persistent else items
+        return self.max_tiles * (self.n_out // self.block_n)
 
     def constexprs(self) -> dict:
-        tiles = {} if self.persistent else {"NUM_TILES": self.max_tiles}
         return dict(K=self.k, N_OUT=self.n_out, N_W=self.weight_rows, FUSED=self.op is Op.GATE_UP_SWIGLU,
                     MODE=self.mode.value, BLOCK_N=self.block_n, GROUP_T=min(self.group_t, self.max_tiles),
-                    NUM_STAGES=self.num_stages, **tiles)
+                    NUM_STAGES=self.num_stages, NUM_TILES=self.max_tiles)
 
     def signature(self) -> dict[str, str]:
         """Argument types for ``triton.compile`` (cross-compilation, no GPU)."""
         x = "*bf16" if self.mode in (Mode.BF16, Mode.W4A16) else "*fp8e4nv"
         w = {Mode.BF16: "*bf16", Mode.FP8: "*fp8e4nv", Mode.W4A8: "*u8", Mode.W4A16: "*u8"}[self.mode]
-        types = ["*i32", "*i32", "*i32", x, w, "*u8"] + (["*i32"] if self.persistent else []) + ["*bf16", "*bf16"]
+        types = ["*i32", "*i32", "*i32", x, w, "*u8", "*bf16", "*bf16"]
         return {**dict(zip(self.kernel.arg_names, types, strict=False)),
                 **dict.fromkeys(self.constexprs(), "constexpr")}
 
@@ -301,16 +198,13 @@ def launch(spec: ProbeSpec, group_sizes_e, x_mk, w, w_scales_u8, out=None):
 
     schedule = pallas_triton.tile_schedule(group_sizes_e, num_rows=spec.num_rows, block_m=ROWS,
                                             num_tiles=spec.max_tiles)
-    operands = (*schedule, x_mk, w, w_scales_u8)
-    if spec.persistent:  # the used row tiles: the schedule puts them first
-        operands += (jnp.sum(schedule[1] < schedule[2], dtype=jnp.int32).reshape(1),)
-    # jax-triton passes the operands in order, then the output: the kernels' last two pointers.
-    operands += (jnp.zeros((1,), jnp.bfloat16) if out is None else out,)
+    # jax-triton passes the operands in order, then the output: the kernel's last two pointers.
+    operands = (*schedule, x_mk, w, w_scales_u8, jnp.zeros((1,), jnp.bfloat16) if out is None else out)
     aliases = None if out is None else {len(operands) - 1: 0}
     return jax_triton.triton_call(
         *operands, kernel=spec.kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.n_out), jnp.bfloat16),
         grid=(spec.num_programs,), num_warps=spec.num_warps, num_stages=spec.num_stages,
-        name=f"fp8_probe_{spec.mode.name.lower()}" + ("_persistent" if spec.persistent else ""),
+        name=f"fp8_probe_{spec.mode.name.lower()}",
         input_output_aliases=aliases, **spec.constexprs())
 
 

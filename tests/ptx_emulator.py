@@ -44,8 +44,6 @@ def run(ptx: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op == "wgmma.wait_group.sync.aligned":  # a wait for the MMAs: no register changes
-            continue
         if op == "mov.b32" and args.startswith("{"):  # unpack: {lo, hi}, src
             lo, hi, src = re.match(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", args).groups()
             regs[lo], regs[hi] = val(src) & np.uint64(0xFFFF), val(src) >> np.uint64(16)

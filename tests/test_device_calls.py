@@ -21,7 +21,7 @@ def _commands() -> list[tuple[str, str]]:
 
 def test_every_benchmark_flag_and_kernel_name_exists():
     """Each flag is one the benchmark defines, and each name after ``--kernels`` or
-    ``--candidates`` one of its labels (``gluon_probe.py`` would run nothing for a misspelt one)."""
+    ``--candidates`` one of its labels (a misspelt one would cost the step)."""
     commands = _commands()
     assert len(commands) >= 8, commands
     for script, args in commands:

@@ -2,9 +2,7 @@
 was written to be: in every mode and both projections, ``wgmma`` with the weight tile as its A
 operand (bf16 ``k16`` or E4M3 ``k32``; W4A16's and W4A8's from registers), no register spills, shared memory within the
 SM's; and the W4A8 K loop dequantizes in registers, with no shared-memory round trip of the
-dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's.
-The persistent variant: in every mode pipelined across tiles as far ahead as the per-tile kernel,
-and each tile's stores after a wait for every MMA (``fp8_probe_kernel._mma_done``)."""
+dequantized tile (no ``STS`` in it) and fewer instructions per K step than the W4A16 table kernel's."""
 
 from __future__ import annotations
 
@@ -22,10 +20,10 @@ from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op, Varian
 SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
 
 
-def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None, persistent: int = 0):
+def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None):
     k, n_out = SHAPES[op]
     spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, stages=stages,
-                        persistent=persistent, block_n=64 if op is Op.GATE_UP_SWIGLU else 128)
+                        block_n=64 if op is Op.GATE_UP_SWIGLU else 128)
     return crosscompile.compile_jit(spec.kernel, signature=spec.signature(), constexprs=spec.constexprs(),
                                     capability=90, num_warps=spec.num_warps, num_stages=spec.num_stages,
                                     name=f"fp8_probe_{mode.name.lower()}_{op.value}", with_sass=with_sass)
@@ -58,29 +56,6 @@ def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, o
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
 
 
-@pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
-@pytest.mark.parametrize("op", list(SHAPES), ids=lambda op: op.value)
-def test_the_persistent_loop_is_pipelined_and_waits_for_its_mmas_before_each_store(mode, op):
-    """Three buffers of each row tile (the rows two steps ahead of the MMA, as the per-tile
-    kernel's), no spills, the SM's shared memory; and in the PTX every store of a tile's epilogue
-    comes after ``wgmma.wait_group 0`` and before any further MMA (Triton 3.6 leaves up to 15
-    register-operand groups in flight there)."""
-    kernel = _compile(mode, op, persistent=132)
-    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
-    rows = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(128|64)x128x", kernel.ttgir)
-    if mode is not fk.Mode.BF16:  # bf16's 2 + 2 stages (3 would not fit): two buffers
-        assert {("3", "128"), ("3", "64")} <= set(rows), rows
-    events = re.findall(r"(wgmma\.wait_group\.sync\.aligned (\d+)|st\.global|wgmma\.mma_async)", kernel.ptx)
-    waited = False
-    for event, pending in ((e[0], e[1]) for e in events):
-        if event.startswith("wgmma.wait_group"):
-            waited = waited or pending == "0"
-        elif event == "wgmma.mma_async":
-            waited = False
-        else:
-            assert waited, "a store reads the accumulator while MMAs may be in flight"
-
-
 def test_the_harness_s_four_stage_w4a8_variant_fits():
     kernel = _compile(fk.Mode.W4A8, Op.GATE_UP_SWIGLU, stages=4)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
@@ -101,13 +76,12 @@ def test_w4a8_dequantizes_in_registers_in_fewer_instructions_than_w4a16():
 _POINTER_TYPES = {"int32": "*i32", "bfloat16": "*bf16", "float8_e4m3fn": "*fp8e4nv", "uint8": "*u8"}
 
 
-@pytest.mark.parametrize("persistent", [0, 3], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
-def test_launch_passes_each_pointer_where_the_kernel_reads_it(monkeypatch, mode, persistent):
+def test_launch_passes_each_pointer_where_the_kernel_reads_it(monkeypatch, mode):
     """jax-triton passes the operands in order and then the output: those pointers' types are the
     kernel's own (``ProbeSpec.signature``, which the cross-compilation above uses), in its order.
-    (The persistent kernel once took its count of used tiles after ``out``: on the GPU it read the
-    output buffer as that count and did not compile, 77e571b's probe call.)"""
+    (A persistent variant once took an operand after ``out``: on the GPU it read the output
+    buffer as that operand and did not compile.)"""
     import sys  # noqa: PLC0415
     import types  # noqa: PLC0415
 
@@ -123,8 +97,7 @@ def test_launch_passes_each_pointer_where_the_kernel_reads_it(monkeypatch, mode,
 
     monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_call=triton_call))
     k, n_out, experts, m = 256, 128, 4, 256
-    spec = fk.ProbeSpec(mode=mode, op=Op.MATMUL, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                        persistent=persistent)
+    spec = fk.ProbeSpec(mode=mode, op=Op.MATMUL, num_rows=m, num_experts=experts, k=k, n_out=n_out)
     x_dtype = jnp.bfloat16 if mode in (fk.Mode.BF16, fk.Mode.W4A16) else jnp.float8_e4m3fn
     w = {fk.Mode.BF16: jnp.zeros((experts, n_out, k), jnp.bfloat16),
          fk.Mode.FP8: jnp.zeros((experts, n_out, k), jnp.float8_e4m3fn)}.get(

@@ -4,31 +4,30 @@
 # 600 s. Run on the GPU machine from the repository root, carrying `.whl` (the jax-triton wheel
 # and `base_699d0b3.tgz`, `git archive 699d0b3 moe_jax pallas_kernels sharding | gzip`):
 #
-#   GIT_COMMIT=<sha> bash tools/device_calls.sh CALL "$OUT"
+#   GIT_COMMIT=<sha> bash tools/device_calls.sh CALL /tmp/CALL; tar czf "$OUT/CALL.tgz" -C /tmp CALL
 #
+# (the device tool brings back only a few files from $OUT, so a call's folders come back packed)
 # CALL (in the order to run them; the GPU check itself is `tools/gpu_check.sh`, its own call):
 #   layer     the Kimi K2 layer before (699d0b3's library) and after, same machine, then where
 #             the 8192-token layer's time goes, as MoEConfig.kimi_k2 makes it and as NVIDIA's
 #             export loads (bf16 shared expert and router); the router's top-k by formulation
 #             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
-#   probes    the W4A8 probe at 65536 and 8192 rows; the persistent probe against the per-tile
-#             kernels at 65536 rows; both on irregular routing (every tile kind and its edges) (~450 s)
+#   probes    the W4A8 probe at 65536 and 8192 rows against the table kernels and the dense anchor,
+#             then on irregular routing (every tile kind and its edges) (~300 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
-#   ws        the warp-specialized candidate with its extra rows in the token ring, and multiplied
-#             as 128 rows (two experiments on its NaN rows): correctness first, then timing (~350 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
-#             W4A16 per tile and persistent (tensor pipe, issue slots, stalls; ~200 s)
+#             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|w4a8|ncu OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|ws|w4a8|ncu OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu OUT}
 case "$call" in
-  layer|probes|training|ws|w4a8|ncu) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, ws, w4a8, ncu)"; exit 2 ;;
+  layer|probes|training|w4a8|ncu) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -69,23 +68,12 @@ case "$call" in
   probes)
     step fp8 190 python benchmarks/fp8_probe.py --out "$out/fp8" --rows 65536 8192 --budget-s 180 --kernels \
       "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
-    step persistent_down 150 python benchmarks/fp8_probe.py --out "$out/persistent_down" --rows 65536 --shapes down \
-      --budget-s 140 --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent" "probe w4a8" \
-      "probe w4a8 persistent" "probe fp8 persistent"
-    step persistent_gate_up 90 python benchmarks/fp8_probe.py --out "$out/persistent_gate_up" --rows 65536 \
-      --shapes gate_up --budget-s 80 --kernels "probe w4a16" "probe w4a16 persistent"
     step probe_edges 90 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
-      --shapes down --kernels "probe fp8" "probe w4a8" "probe w4a16 persistent" "probe w4a8 persistent" --budget-s 80
+      --shapes down --kernels "table w4a16" "probe fp8" "probe w4a8" "probe w4a16" --budget-s 80
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220
     step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
-    ;;
-  ws)
-    step ws_smoke 200 python benchmarks/gluon_probe.py --out "$out/ws_smoke" --rows 65536 --routing irregular \
-      --once --candidates "ws bk64 s4 x2 in x" "ws bk64 s4 x2 as 128"
-    step ws 170 python benchmarks/gluon_probe.py --out "$out/ws" --rows 65536 --budget-s 150 \
-      --candidates "ws bk64 s4" "ws bk64 s4 x2 in x" "ws bk64 s4 persistent x2 in x"
     ;;
   w4a8)
     step layer_w4a8 200 python benchmarks/layer.py --out "$out/layer_w4a8" --tokens 32 256 8192 --iters 10 \
@@ -95,12 +83,12 @@ case "$call" in
     step profile_w4a16_8192 90 python benchmarks/profile_layer.py --out "$out/profile_w4a16_8192" --tokens 8192 \
       --expert-gemm triton --calls 20
     ;;
-  ncu)  # one kernel launch each, in this order: table, probe per tile, probe persistent
-    step ncu_down 240 ncu --clock-control none --kernel-name regex:"^_(persistent_)?kernel" --launch-count 3 \
+  ncu)  # one kernel launch each, in this order: table W4A16, probe W4A16, probe W4A8
+    step ncu_down 240 ncu --clock-control none --kernel-name regex:"^_kernel" --launch-count 3 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
       --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
-      --once --kernels "table w4a16" "probe w4a16" "probe w4a16 persistent"
+      --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
     ;;
 esac
 exit $failed

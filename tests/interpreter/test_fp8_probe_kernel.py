@@ -28,7 +28,7 @@ def _e4m3_round(values: np.ndarray) -> np.ndarray:
 
 
 def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts=None, padding: int = 3,
-              seed: int = 0, persistent: int = 0) -> float:
+              seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int32)
     experts = experts or len(group_sizes)
@@ -62,15 +62,12 @@ def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts
                     ).astype(dtype)
         w_enk = w_stored.astype(np.float64)
         x = x_in = rng.standard_normal((m, k)).astype(dtype)
-    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=experts, k=k, n_out=n_out, persistent=persistent)
+    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=experts, k=k, n_out=n_out)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, fk.ROWS, spec.max_tiles)
     buffers += [interpreted.buffer(x_in, "x"), interpreted.buffer(w_stored, "w"),
                 interpreted.buffer(scales, "w.scales" if scales.size > 1 else "w.scales (unread)")]
-    if persistent:  # launch's count of used row tiles, from the tile schedule itself
-        used = np.count_nonzero(buffers[1].array < buffers[2].array)
-        buffers.append(interpreted.buffer(np.array([used], np.int32), "num_tiles"))
     buffers.append(interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)"))
     got = interpreted.launch(spec.kernel, spec.num_programs, buffers, out, spec.constexprs())
     starts = np.concatenate([[0], np.cumsum(group_sizes)])
@@ -85,15 +82,6 @@ def test_every_tile_path(mode, op):
     """Each row path (64, 128, 128 + 64 rows) and an expert of more than one tile, among empty
     experts; two K steps and two output column tiles."""
     run_probe(mode, op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128)
-
-
-@pytest.mark.parametrize("mode", list(fk.Mode), ids=lambda mode: mode.name.lower())
-@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
-def test_the_persistent_loop_covers_every_tile_once(mode, op):
-    """The persistent kernel over fewer programs than work items: every row of every tile kind
-    (each multiplied as 128 + 64 rows), experts of more than one tile, empty ones, two K steps and
-    two output column tiles, a program's loop crossing tiles and experts mid-way."""
-    run_probe(mode, op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128, persistent=3, seed=4)
 
 
 def test_kimi_k2_s_last_experts():

@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--block-n-down", type=int, default=128, help="the probe's output columns per tile for down")
+    ap.add_argument("--block-n-gate-up", type=int, default=64,
+                    help="the probe's output columns per tile for gate/up (each of gate and up: 2x as many weight rows)")
     ap.add_argument("--once", action="store_true",
                     help="run each kernel once (its correctness row) and time nothing, no dense anchor: for ncu")
     ap.add_argument("--routing", choices=("uniform", "irregular"), default="uniform",
@@ -200,7 +202,7 @@ def main() -> None:
 
             want_bf16 = exact(xs[0], w_bf16)
             want_fp8 = exact(xs_fp8[0], w_fp8)
-            block_n = 64 if op is Op.GATE_UP_SWIGLU else args.block_n_down
+            block_n = args.block_n_gate_up if op is Op.GATE_UP_SWIGLU else args.block_n_down
             probe_fp8_out = None
             for label in args.kernels:
                 if left(args.budget_s) < 20:

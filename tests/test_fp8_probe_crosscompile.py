@@ -20,10 +20,10 @@ from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, Op, Varian
 SHAPES = {Op.GATE_UP_SWIGLU: (7168, 2048), Op.MATMUL: (2048, 7168)}
 
 
-def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None):
+def _compile(mode: fk.Mode, op: Op, with_sass: bool = False, stages: int | None = None, block_n: int | None = None):
     k, n_out = SHAPES[op]
     spec = fk.ProbeSpec(mode=mode, op=op, num_rows=65536, num_experts=384, k=k, n_out=n_out, stages=stages,
-                        block_n=64 if op is Op.GATE_UP_SWIGLU else 128)
+                        block_n=block_n or (64 if op is Op.GATE_UP_SWIGLU else 128))
     return crosscompile.compile_jit(spec.kernel, signature=spec.signature(), constexprs=spec.constexprs(),
                                     capability=90, num_warps=spec.num_warps, num_stages=spec.num_stages,
                                     name=f"fp8_probe_{mode.name.lower()}_{op.value}", with_sass=with_sass)
@@ -59,6 +59,19 @@ def test_every_mode_multiplies_its_weights_where_it_should_within_the_sm(mode, o
 def test_the_harness_s_four_stage_w4a8_variant_fits():
     kernel = _compile(fk.Mode.W4A8, Op.GATE_UP_SWIGLU, stages=4)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize(("op", "block_n"), [(Op.MATMUL, 64), (Op.GATE_UP_SWIGLU, 32)], ids=["down", "gate_up"])
+def test_w4a8_on_half_the_weight_rows_fits_two_programs_per_sm(op, block_n):
+    """The harness's two-programs-per-SM candidate (``--block-n-down 64 --block-n-gate-up 32``):
+    the default tiles hold one 8-warp program per SM by their registers (164 / 182 a thread); half
+    the weight rows a tile must leave room for two, in registers (65536 an SM) and in shared memory,
+    with no spills, or the GPU run would measure nothing new."""
+    kernel = _compile(fk.Mode.W4A8, op, block_n=block_n)
+    assert kernel.spill_bytes == 0, kernel.spill_bytes
+    assert 2 * 8 * 32 * kernel.registers <= 65536, kernel.registers
+    # An SM90 SM has 228 KB of shared memory and reserves 1 KB of it for each resident program.
+    assert 2 * (kernel.shared_bytes + 1024) <= 228 * 1024, kernel.shared_bytes
 
 
 def test_w4a8_dequantizes_in_registers_in_fewer_instructions_than_w4a16():

@@ -13,7 +13,8 @@
 #             export loads (bf16 shared expert and router); the router's top-k by formulation
 #             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
 #   probes    the W4A8 probe at 65536 and 8192 rows against the table kernels and the dense anchor,
-#             then on irregular routing (every tile kind and its edges) (~300 s)
+#             then on irregular routing (every tile kind and its edges), then W4A8 on tiles of half
+#             the weight rows, two programs per SM (~420 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
 #             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
@@ -70,6 +71,10 @@ case "$call" in
       "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
     step probe_edges 90 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
       --shapes down --kernels "table w4a16" "probe fp8" "probe w4a8" "probe w4a16" --budget-s 80
+    # Half the weight rows a tile: W4A8 at 127-128 registers, two programs per SM (cross-compiled),
+    # against the step above's one program per SM (164 / 182 registers)
+    step two_per_sm 120 python benchmarks/fp8_probe.py --out "$out/two_per_sm" --rows 65536 --budget-s 110 \
+      --block-n-down 64 --block-n-gate-up 32 --kernels "probe w4a8"
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220

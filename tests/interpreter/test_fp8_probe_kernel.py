@@ -28,7 +28,7 @@ def _e4m3_round(values: np.ndarray) -> np.ndarray:
 
 
 def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts=None, padding: int = 3,
-              seed: int = 0) -> float:
+              seed: int = 0, block_n: int = 64) -> float:
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int32)
     experts = experts or len(group_sizes)
@@ -62,7 +62,8 @@ def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts
                     ).astype(dtype)
         w_enk = w_stored.astype(np.float64)
         x = x_in = rng.standard_normal((m, k)).astype(dtype)
-    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=experts, k=k, n_out=n_out)
+    spec = fk.ProbeSpec(mode=mode, op=op, num_rows=m, num_experts=experts, k=k, n_out=n_out,
+                        block_n=block_n)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
     buffers = interpreted.schedule_buffers(group_sizes, m, fk.ROWS, spec.max_tiles)
@@ -82,6 +83,13 @@ def test_every_tile_path(mode, op):
     """Each row path (64, 128, 128 + 64 rows) and an expert of more than one tile, among empty
     experts; two K steps and two output column tiles."""
     run_probe(mode, op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_w4a8_on_tiles_of_32_output_columns(op):
+    """The harness's two-programs-per-SM candidate's narrowest tile (gate/up: 32 columns of gate
+    and of up a tile), four column tiles, every row path."""
+    run_probe(fk.Mode.W4A8, op, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128, block_n=32, seed=5)
 
 
 def test_kimi_k2_s_last_experts():

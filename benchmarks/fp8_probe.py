@@ -7,6 +7,9 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
 
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
+* ``table w4a8``: ``triton_lang.run(mode=W4A8)`` from bf16 rows (its per-row E4M3 quantization pass
+  included, as the layer runs it); ``table w4a8 half`` on the table's tile with half the output
+  columns (``tile=``): fewer registers, two programs per SM for the down projection;
 * ``bf16 table``: ``triton_lang.bf16_matmul`` on the weights dequantized to bf16 (exact);
 * ``probe bf16`` / ``probe fp8``: ``fp8_probe_kernel`` with bf16, or E4M3, weights and rows from
   memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate
@@ -30,6 +33,7 @@ rotated over 3 copies) after a warm-up. ``--budget-s`` bounds the run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -41,7 +45,7 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
+KERNELS = ("table w4a16", "table w4a8", "table w4a8 half", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
 
 
 def left(budget: float) -> float:
@@ -161,12 +165,18 @@ def main() -> None:
             xs_fp8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
             poison = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
 
-            def exact(x, w_values, scale=1.0):
-                """float64 ``[samples, n_out]``: the sampled rows through their experts."""
+            def exact(x, w_values, scale=1.0, quantize_rows=False):
+                """float64 ``[samples, n_out]``: the sampled rows through their experts
+                (``quantize_rows``: each row first to E4M3 against its amax, as W4A8 takes it)."""
+                import ml_dtypes  # noqa: PLC0415
+
                 out = []
                 for e, row in samples:
-                    y = np.asarray(w_values[e].astype(jnp.float32), np.float64) @ np.asarray(
-                        x[row].astype(jnp.float32), np.float64) * scale
+                    x_k = np.asarray(x[row].astype(jnp.float32), np.float64)
+                    if quantize_rows:
+                        amax = np.abs(x_k).max()
+                        x_k = (x_k * (448 / amax)).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * (amax / 448)
+                    y = np.asarray(w_values[e].astype(jnp.float32), np.float64) @ x_k * scale
                     if op is Op.GATE_UP_SWIGLU:
                         g, u = y[:n_out], y[n_out:]
                         y = g / (1.0 + np.exp(-g)) * u
@@ -216,6 +226,25 @@ def main() -> None:
                         def fn(x, out=None, bk=bk):
                             return triton_lang.run(op, x, w, group_sizes, compute_capability=90, out=out, x_k_order=bk)
                         want = want_bf16
+                    elif label.startswith("table w4a8"):
+                        inputs, tile = xs, None
+                        if label.endswith(" half"):
+                            tile = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=m, num_experts=E, k=k,
+                                                         n_out=n_out, scale_groups=1, compute_capability=90).tile
+                            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+
+                        # One jitted program (the tile schedule and the rows' quantization in it, as
+                        # in the layer), where `table w4a16` is timed eagerly.
+                        # (The weights go in as arrays: their namespace is no pytree.)
+                        run_w4a8 = jax.jit(lambda x, packed, scales, global_scale, sizes, out, op=op, tile=tile:
+                                           triton_lang.run(op, x, type(w)(packed=packed, scales=scales,
+                                                                          global_scale=global_scale),
+                                                           sizes, compute_capability=90, mode=triton_lang.Mode.W4A8,
+                                                           tile=tile, out=out))
+
+                        def fn(x, out=None, run_w4a8=run_w4a8):
+                            return run_w4a8(x, w.packed, w.scales, w.global_scale, group_sizes, out)
+                        want = exact(xs[0], w_fp8, scale=8.0, quantize_rows=True)
                     elif label == "bf16 table":
                         inputs = xs
 

@@ -71,10 +71,10 @@ case "$call" in
       "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
     step probe_edges 90 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
       --shapes down --kernels "table w4a16" "probe fp8" "probe w4a8" "probe w4a16" --budget-s 80
-    # Half the weight rows a tile: W4A8 at 127-128 registers, two programs per SM (cross-compiled),
-    # against the step above's one program per SM (164 / 182 registers)
+    # Half the weight rows a tile: W4A8 down at 127-128 registers, two programs per SM
+    # (cross-compiled), against the table's and the probe's tiles in the step before (one program)
     step two_per_sm 120 python benchmarks/fp8_probe.py --out "$out/two_per_sm" --rows 65536 --budget-s 110 \
-      --block-n-down 64 --block-n-gate-up 32 --kernels "probe w4a8"
+      --block-n-down 64 --block-n-gate-up 32 --kernels "table w4a8" "table w4a8 half" "probe w4a8"
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220

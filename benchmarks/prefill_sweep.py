@@ -5,7 +5,8 @@ SwiGLU (``[E, 4096, 7168]``) and the down projection (``[E, 7168, 2048]``), bf16
 every candidate tile of the Triton-language kernels (``triton_lang``: ``Mode.BF16`` and
 ``Mode.W4A16``) beside the Pallas kernels, ``torch._grouped_mm`` and the dense anchor (one
 ``[65536, K] x [K, N]`` matmul through XLA and through torch, the same FLOPs with no experts).
-Then the input gradients at the training shape (48 experts, 32768 rows). Each candidate's output
+Then the input gradients at the training shape (48 experts, 32768 rows); ``--rows 32768 --experts 48``
+sweeps the forward there too (256-row tiles beside the table's). Each candidate's output
 is first compared with the Pallas kernel's (or the table tile's) on the same inputs; a tile that
 computes something else is recorded as wrong and never timed as a winner. Times are the median
 CUPTI kernel time over ``--runs`` calls.
@@ -55,7 +56,17 @@ NVFP4_CANDIDATES = {
     "down": [None, _p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64),
              _p(128, 128, 128, 8, 4, extra_m=64, tail_m=64), _p(128, 256, 64, 8, 3)],
 }
-DX_CANDIDATES = [_p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 128, 64, 8, 3), _p(128, 256, 64, 8, 3)]
+# The training shape (48 experts, 32768 rows: ~680 rows per expert, from MANY_ROWS_PER_EXPERT on
+# average): the table's tile (None) against 256-row tiles, which read each weight tile once per 256
+# rows instead of 192 (cross-compiled for SM90 without spills within the shared memory: gate/up
+# 256x64x64 w8 s4 207 registers, down 256x128x64 198 and 256x64x64 120, 128x256x64 183).
+MANY_ROWS_PER_EXPERT = 512
+MANY_ROWS_BF16_CANDIDATES = {
+    "gate_up": [None, _p(256, 64, 64, 8, 4), _p(256, 64, 64, 8, 3)],
+    "down": [None, _p(256, 128, 64, 8, 3), _p(256, 128, 64, 8, 4), _p(256, 64, 64, 8, 4), _p(128, 256, 64, 8, 3)],
+}
+DX_CANDIDATES = [_p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 128, 64, 8, 3), _p(128, 256, 64, 8, 3),
+                 _p(256, 128, 64, 8, 3), _p(256, 64, 64, 8, 4)]
 
 
 def tile_name(tile) -> str:
@@ -175,7 +186,8 @@ def grouped(rows_out, args, cc, experts, rows):
         if "bf16" in args.only:
             ref = measure(rows_out, "bf16", projection, "pallas", "table", jax.jit(
                 lambda x, w, g: pallas_run(op, x, w, g, compute_capability=cc)), (x, w, g), work, None, args.runs, "")
-            for tile in BF16_CANDIDATES[projection]:
+            many = rows >= MANY_ROWS_PER_EXPERT * experts
+            for tile in (MANY_ROWS_BF16_CANDIDATES if many else BF16_CANDIDATES)[projection]:
                 measure(rows_out, "bf16", projection, "native bf16", tile_name(tile), jax.jit(
                     lambda x, w, g, tile=tile: triton_lang.bf16_matmul(op, x, w, g, compute_capability=cc, tile=tile)),
                     (x, w, g), work, ref, args.runs, "pallas")
@@ -279,7 +291,7 @@ def main() -> None:
     if args.ncu:
         return ncu_targets(cc)
     if args.tables_only:
-        for table in (BF16_CANDIDATES, NVFP4_CANDIDATES):
+        for table in (BF16_CANDIDATES, MANY_ROWS_BF16_CANDIDATES, NVFP4_CANDIDATES):
             for projection in table:
                 table[projection] = [None]
         DX_CANDIDATES[:] = []

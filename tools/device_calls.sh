@@ -16,7 +16,8 @@
 #             then on irregular routing (every tile kind and its edges), then W4A8 on tiles of half
 #             the weight rows, two programs per SM (~420 s)
 #   training  the bf16 training step and its GEMMs with the native weight gradient beside the
-#             Pallas kernel and torch, then the native kernel's tile sweep (~450 s)
+#             Pallas kernel and torch, the native weight gradient's tile sweep, then the bf16
+#             forward and input-gradient tiles at 48 experts x 32768 rows (~350 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
@@ -79,6 +80,9 @@ case "$call" in
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220
     step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
+    # The bf16 forward and input-gradient tiles at the training shape: 256-row tiles against the table's
+    step bf16_sweep_48 240 python benchmarks/prefill_sweep.py --out "$out/bf16_sweep_48" --rows 32768 --experts 48 \
+      --only anchor bf16 dx --runs 20
     ;;
   w4a8)
     step layer_w4a8 200 python benchmarks/layer.py --out "$out/layer_w4a8" --tokens 32 256 8192 --iters 10 \

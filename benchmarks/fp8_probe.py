@@ -8,8 +8,9 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
 * ``table w4a8``: ``triton_lang.run(mode=W4A8)`` from bf16 rows (its per-row E4M3 quantization pass
-  included, as the layer runs it); ``table w4a8 half`` on the table's tile with half the output
-  columns (``tile=``): fewer registers, two programs per SM for the down projection;
+  included, and for gate/up its rows read by index in a random order: as the layer runs it); ``table w4a8 half`` on the table's tile with half the output
+  columns (``tile=``, :func:`table_w4a8_tile`): fewer registers, two programs per SM for the down
+  projection; ``table w4a8 half w4`` with 4 warps too: two programs per SM for both;
 * ``bf16 table``: ``triton_lang.bf16_matmul`` on the weights dequantized to bf16 (exact);
 * ``probe bf16`` / ``probe fp8``: ``fp8_probe_kernel`` with bf16, or E4M3, weights and rows from
   memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate
@@ -45,11 +46,23 @@ T0 = time.monotonic()
 E, H, F = 384, 7168, 2048
 SHAPES = {"gate_up": (H, F), "down": (F, H)}  # (K, n_out)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-KERNELS = ("table w4a16", "table w4a8", "table w4a8 half", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
+KERNELS = ("table w4a16", "table w4a8", "table w4a8 half", "table w4a8 half w4", "bf16 table", "probe bf16", "probe fp8", "probe w4a16", "probe w4a8", "probe w4a8 s4")
 
 
 def left(budget: float) -> float:
     return budget - (time.monotonic() - T0)
+
+
+def table_w4a8_tile(label: str, op, *, num_rows: int, k: int, n_out: int):
+    """The tile a ``table w4a8 ...`` label runs: None (the table's) for ``table w4a8``; the table's
+    tile with half its output columns for ``... half``, and 4 warps for ``... half w4``."""
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
+
+    if label == "table w4a8":
+        return None
+    tile = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=num_rows, num_experts=E, k=k, n_out=n_out,
+                                 scale_groups=1, compute_capability=90).tile
+    return dataclasses.replace(tile, block_n=tile.block_n // 2, num_warps=4 if label.endswith(" w4") else tile.num_warps)
 
 
 def irregular_sizes(m: int) -> np.ndarray:
@@ -227,23 +240,24 @@ def main() -> None:
                             return triton_lang.run(op, x, w, group_sizes, compute_capability=90, out=out, x_k_order=bk)
                         want = want_bf16
                     elif label.startswith("table w4a8"):
-                        inputs, tile = xs, None
-                        if label.endswith(" half"):
-                            tile = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=m, num_experts=E, k=k,
-                                                         n_out=n_out, scale_groups=1, compute_capability=90).tile
-                            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+                        inputs, tile = xs, table_w4a8_tile(label, op, num_rows=m, k=k, n_out=n_out)
 
                         # One jitted program (the tile schedule and the rows' quantization in it, as
-                        # in the layer), where `table w4a16` is timed eagerly.
+                        # in the layer), where `table w4a16` is timed eagerly. The gate/up reads row m
+                        # from row_token[m] of its input, so each input holds x's row m there.
                         # (The weights go in as arrays: their namespace is no pytree.)
-                        run_w4a8 = jax.jit(lambda x, packed, scales, global_scale, sizes, out, op=op, tile=tile:
-                                           triton_lang.run(op, x, type(w)(packed=packed, scales=scales,
-                                                                          global_scale=global_scale),
-                                                           sizes, compute_capability=90, mode=triton_lang.Mode.W4A8,
-                                                           tile=tile, out=out))
+                        row_token = (jnp.asarray(np.random.default_rng(m).permutation(m), jnp.int32)
+                                     if op is Op.GATE_UP_SWIGLU else None)
+                        if row_token is not None:
+                            inputs = [jnp.zeros_like(x).at[row_token].set(x) for x in xs]
+                        run_w4a8 = jax.jit(lambda x, packed, scales, global_scale, sizes, row_token, out, op=op,
+                                           tile=tile: triton_lang.run(
+                                               op, x, type(w)(packed=packed, scales=scales, global_scale=global_scale),
+                                               sizes, compute_capability=90, mode=triton_lang.Mode.W4A8, tile=tile,
+                                               out=out, row_token_m=row_token))
 
-                        def fn(x, out=None, run_w4a8=run_w4a8):
-                            return run_w4a8(x, w.packed, w.scales, w.global_scale, group_sizes, out)
+                        def fn(x, out=None, run_w4a8=run_w4a8, row_token=row_token):
+                            return run_w4a8(x, w.packed, w.scales, w.global_scale, group_sizes, row_token, out)
                         want = exact(xs[0], w_fp8, scale=8.0, quantize_rows=True)
                     elif label == "bf16 table":
                         inputs = xs

@@ -75,7 +75,8 @@ case "$call" in
     # Half the weight rows a tile: W4A8 down at 127-128 registers, two programs per SM
     # (cross-compiled), against the table's and the probe's tiles in the step before (one program)
     step two_per_sm 120 python benchmarks/fp8_probe.py --out "$out/two_per_sm" --rows 65536 --budget-s 110 \
-      --block-n-down 64 --block-n-gate-up 32 --kernels "table w4a8" "table w4a8 half" "probe w4a8"
+      --block-n-down 64 --block-n-gate-up 32 --kernels "table w4a8" "table w4a8 half" \
+      "table w4a8 half w4" "probe w4a8"
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220

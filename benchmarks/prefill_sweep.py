@@ -56,12 +56,12 @@ NVFP4_CANDIDATES = {
     "down": [None, _p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64),
              _p(128, 128, 128, 8, 4, extra_m=64, tail_m=64), _p(128, 256, 64, 8, 3)],
 }
-# The training shape (48 experts, 32768 rows: ~680 rows per expert, from MANY_ROWS_PER_EXPERT on
+# The training shape (48 experts, 32768 rows: ~680 rows per expert, from TRAINING_ROWS_PER_EXPERT on
 # average): the table's tile (None) against 256-row tiles, which read each weight tile once per 256
 # rows instead of 192 (cross-compiled for SM90 without spills within the shared memory: gate/up
 # 256x64x64 w8 s4 207 registers, down 256x128x64 198 and 256x64x64 120, 128x256x64 183).
-MANY_ROWS_PER_EXPERT = 512
-MANY_ROWS_BF16_CANDIDATES = {
+TRAINING_ROWS_PER_EXPERT = 512
+TRAINING_BF16_CANDIDATES = {
     "gate_up": [None, _p(256, 64, 64, 8, 4), _p(256, 64, 64, 8, 3)],
     "down": [None, _p(256, 128, 64, 8, 3), _p(256, 128, 64, 8, 4), _p(256, 64, 64, 8, 4), _p(128, 256, 64, 8, 3)],
 }
@@ -186,8 +186,8 @@ def grouped(rows_out, args, cc, experts, rows):
         if "bf16" in args.only:
             ref = measure(rows_out, "bf16", projection, "pallas", "table", jax.jit(
                 lambda x, w, g: pallas_run(op, x, w, g, compute_capability=cc)), (x, w, g), work, None, args.runs, "")
-            many = rows >= MANY_ROWS_PER_EXPERT * experts
-            for tile in (MANY_ROWS_BF16_CANDIDATES if many else BF16_CANDIDATES)[projection]:
+            training = rows >= TRAINING_ROWS_PER_EXPERT * experts
+            for tile in (TRAINING_BF16_CANDIDATES if training else BF16_CANDIDATES)[projection]:
                 measure(rows_out, "bf16", projection, "native bf16", tile_name(tile), jax.jit(
                     lambda x, w, g, tile=tile: triton_lang.bf16_matmul(op, x, w, g, compute_capability=cc, tile=tile)),
                     (x, w, g), work, ref, args.runs, "pallas")
@@ -291,7 +291,7 @@ def main() -> None:
     if args.ncu:
         return ncu_targets(cc)
     if args.tables_only:
-        for table in (BF16_CANDIDATES, MANY_ROWS_BF16_CANDIDATES, NVFP4_CANDIDATES):
+        for table in (BF16_CANDIDATES, TRAINING_BF16_CANDIDATES, NVFP4_CANDIDATES):
             for projection in table:
                 table[projection] = [None]
         DX_CANDIDATES[:] = []

@@ -19,12 +19,13 @@ from benchmarks import fp8_probe_kernel as fk
 from nvfp4_float64 import compare, e2m1, e4m3, expert, random_weights
 from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op
+from w4a8_float64 import e4m3_round
 
 
 def _e4m3_round(values: np.ndarray) -> np.ndarray:
-    """float64 -> the nearest E4M3 value (ties to even), as float64; within +-448 here."""
+    """:func:`w4a8_float64.e4m3_round` of values within +-448 here."""
     assert np.abs(values).max() <= 448
-    return values.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return e4m3_round(values)
 
 
 def run_probe(mode: fk.Mode, op: Op, group_sizes, *, k: int, n_out: int, experts=None, padding: int = 3,

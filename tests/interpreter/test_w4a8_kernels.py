@@ -24,6 +24,7 @@ import interpreted
 from nvfp4_float64 import PATTERNS, compare, e2m1, e4m3, expert, random_problem, reference
 from pallas_kernels.grouped_matmul import triton_lang
 from pallas_kernels.grouped_matmul.tuning import Op, Variant, decode_tile
+from w4a8_float64 import e4m3_round, rows_as_multiplied
 
 CC = 90
 #: A sanity bound on the error against float64 of the same NVFP4 weights and unquantized rows:
@@ -33,29 +34,12 @@ CC = 90
 W4A8_BOUND = 0.15
 
 
-def _e4m3(values: np.ndarray) -> np.ndarray:
-    """float64 -> the nearest E4M3 value (ties to even), as float64."""
-    return values.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-
-
-def _rows_as_multiplied(x: np.ndarray) -> np.ndarray:
-    """float64 of what W4A8 multiplies a row by: each row quantized to E4M3 against its amax,
-    ``x * (448 / amax)`` in float32 arithmetic as defined, rounded to nearest even, times
-    ``amax * float32(1 / 448)``."""
-    x = x.astype(np.float32)
-    amax = np.abs(x).max(axis=1, keepdims=True)
-    safe = np.where(amax == 0, np.float32(1), amax)
-    inverse = np.where(amax == 0, np.float32(1), np.float32(448) / safe).astype(np.float32)
-    scale = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 448)).astype(np.float32)
-    return _e4m3((x * inverse).astype(np.float64)) * scale.astype(np.float64)
-
-
 def _weights_as_multiplied(packed, scales, global_scale) -> np.ndarray:
     """float64 ``[N_W, K]`` of one expert: ``code * scale * 2**-3`` rounded to E4M3, times
     ``2**3`` and the global scale (per gate/up half where there are two)."""
     g = np.atleast_1d(global_scale)
     rows = np.repeat(g, packed.shape[0] // g.size)[:, None]
-    return _e4m3(e2m1(packed) * np.repeat(e4m3(scales), 16, axis=-1) / 8) * 8 * rows
+    return e4m3_round(e2m1(packed) * np.repeat(e4m3(scales), 16, axis=-1) / 8) * 8 * rows
 
 
 def _launch(spec, group_sizes, x_tokens, row_token, packed, scales, global_scale) -> np.ndarray:
@@ -101,7 +85,7 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, variant=None,
     spec = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=m, num_experts=experts, k=k, n_out=n_out,
                                  scale_groups=scale_groups, compute_capability=CC, tile=tile, gather_rows=tokens)
     got = _launch(spec, group_sizes, x_tokens, row_token, packed, scales, global_scale)
-    a = _rows_as_multiplied(x)
+    a = rows_as_multiplied(x)
     want, start = [], 0
     for e, size in enumerate(group_sizes):
         if size:

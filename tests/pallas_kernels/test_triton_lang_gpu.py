@@ -25,6 +25,7 @@ from moe_jax import nvfp4
 from moe_jax.nvfp4 import NVFP4Tensor
 from pallas_kernels.grouped_matmul import reference
 from pallas_kernels.grouped_matmul.tuning import Op, Variant
+from w4a8_float64 import e4m3_round, rows_as_multiplied
 
 triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
 TOLERANCE = 1e-2
@@ -367,22 +368,6 @@ def test_native_bf16_kimi_size_top_experts_match_float64_reference(rng, record_p
                        lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))
 
 
-def _e4m3_round(values: np.ndarray) -> np.ndarray:
-    """float64 -> the nearest E4M3 value (ties to even), as float64."""
-    return values.astype(jnp.float8_e4m3fn).astype(np.float64)
-
-
-def _w4a8_rows(x_mk: np.ndarray) -> np.ndarray:
-    """float64 of what W4A8 multiplies each row by: quantized to E4M3 against its own amax in
-    float32 arithmetic as defined (``x * (448 / amax)``, rounded, times ``amax * float32(1/448)``)."""
-    x = x_mk.astype(np.float32)
-    amax = np.abs(x).max(axis=1, keepdims=True)
-    safe = np.where(amax == 0, np.float32(1), amax)
-    inverse = np.where(amax == 0, np.float32(1), np.float32(448) / safe).astype(np.float32)
-    scale = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 448)).astype(np.float32)
-    return _e4m3_round((x * inverse).astype(np.float64)) * scale.astype(np.float64)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
 def test_native_w4a8_kimi_size_top_experts_match_float64_of_what_it_multiplies(rng, record_property, op):
@@ -413,8 +398,8 @@ def test_native_w4a8_kimi_size_top_experts_match_float64_of_what_it_multiplies(r
         # float32 constant: w_nk / g is code * scale exactly (few significant bits in float64).
         if rounded.get("of") is not w_nk:
             g = np.float64(np.float32(0.3 / (6 * np.sqrt(w_nk.shape[1]))))
-            rounded.update(of=w_nk, w=_e4m3_round(w_nk / g / 8) * 8 * g)
-        return expert_reference(op, _w4a8_rows(x_mk), rounded["w"])
+            rounded.update(of=w_nk, w=e4m3_round(w_nk / g / 8) * 8 * g)
+        return expert_reference(op, rows_as_multiplied(x_mk), rounded["w"])
 
     _check_top_experts(rng, record_property, f"native w4a8 {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn,
                        mid_rows=True)

@@ -60,14 +60,14 @@ from benchmarks.grouped_gemm import copy_bandwidth  # noqa: E402
 #: assignment of the whole layer on one H200 (``results/layer_h200/layer.md``, "Memory"): bf16
 #: 34.0 + 6.2 GB of arguments and temporaries, NVFP4 9.7 + 28.0 GB (every expert
 #: dequantized to bf16 each call): well within the 112.6 GB the allocator may hold.
-#: The opt-in W4A8 row (``MoEConfig.prefill_activations="fp8"``: FP8 tensor cores at prefill sizes,
-#: W4A16 at decode sizes; SM90 only, its error bound in the config's docstring).
-W4A8_LABEL = "nvfp4 triton, W4A8 at prefill (prefill_activations='fp8')"
-IMPLEMENTATIONS = (("nvfp4 triton", "nvfp4", "triton", None), ("nvfp4 pallas", "nvfp4", "pallas", None),
-                   ("nvfp4 xla", "nvfp4", "xla", None), ("bf16 triton", "bf16", "triton", None),
-                   ("bf16 pallas", "bf16", "pallas", None), ("bf16 xla", "bf16", "xla", None),
-                   ("nvfp4 triton, bf16 shared (NVIDIA's export)", "nvfp4", "triton", "bf16"),
-                   (W4A8_LABEL, "nvfp4", "triton", None))
+#: (label, weight format, expert_gemm, shared expert's format, prefill activations). The opt-in W4A8
+#: row (``MoEConfig.prefill_activations="fp8"``: FP8 tensor cores at prefill sizes, W4A16 at decode
+#: sizes; SM90 only, its error bound in the config's docstring).
+IMPLEMENTATIONS = (("nvfp4 triton", "nvfp4", "triton", None, "bf16"), ("nvfp4 pallas", "nvfp4", "pallas", None, "bf16"),
+                   ("nvfp4 xla", "nvfp4", "xla", None, "bf16"), ("bf16 triton", "bf16", "triton", None, "bf16"),
+                   ("bf16 pallas", "bf16", "pallas", None, "bf16"), ("bf16 xla", "bf16", "xla", None, "bf16"),
+                   ("nvfp4 triton, bf16 shared (NVIDIA's export)", "nvfp4", "triton", "bf16", "bf16"),
+                   ("nvfp4 triton, W4A8 at prefill (prefill_activations='fp8')", "nvfp4", "triton", None, "fp8"))
 
 
 def expert_bytes(config: moe_jax.MoEConfig, fmt: str) -> int:
@@ -113,12 +113,12 @@ def jax_rows(tokens_list, iters: int, out: list, save, labels=None) -> None:
     auto = moe_jax.resolve(moe_jax.MoEConfig.kimi_k2(weight_format="nvfp4"), None)
     out.append({"impl": "auto (nvfp4)", "expert_gemm": auto.expert_gemm, "report": auto.report})
     device = jax.devices()[0]
-    for label, fmt, gemm, shared_fmt in IMPLEMENTATIONS:
+    for label, fmt, gemm, shared_fmt, prefill_activations in IMPLEMENTATIONS:
         if labels is not None and label not in labels:
             continue
         try:
             config = moe_jax.MoEConfig.kimi_k2(weight_format=fmt, expert_gemm=gemm, shared_weight_format=shared_fmt,
-                                               prefill_activations="fp8" if label == W4A8_LABEL else "bf16")
+                                               prefill_activations=prefill_activations)
             plan = moe_jax.resolve(config, None)
             params = moe_jax.random_params(config, jax.random.key(0), plan)
             if shared_fmt == "bf16":  # NVIDIA's export: the router as that checkpoint stores it

@@ -8,7 +8,7 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
 * ``table w4a8``: ``triton_lang.run(mode=W4A8)`` from bf16 rows (its per-row E4M3 quantization pass
-  included, and for gate/up its rows read by index in a random order: as the layer runs it); ``table w4a8 half`` on the table's tile with half the output
+  included, and for gate/up its rows read by index in a random order: as the layer runs it); ``table w4a8 half`` on W4A16's tile with half the output
   columns (``tile=``, :func:`table_w4a8_tile`): fewer registers, two programs per SM for the down
   projection; ``table w4a8 half w4`` with 4 warps too: two programs per SM for both;
 * ``bf16 table``: ``triton_lang.bf16_matmul`` on the weights dequantized to bf16 (exact);
@@ -54,13 +54,14 @@ def left(budget: float) -> float:
 
 
 def table_w4a8_tile(label: str, op, *, num_rows: int, k: int, n_out: int):
-    """The tile a ``table w4a8 ...`` label runs: None (the table's) for ``table w4a8``; the table's
-    tile with half its output columns for ``... half``, and 4 warps for ``... half w4``."""
+    """The tile a ``table w4a8 ...`` label runs: None (the library's W4A8 tile) for ``table w4a8``;
+    W4A16's tile with half its output columns for ``... half``, and 4 warps for ``... half w4``
+    (the down projection's is the library's W4A8 tile at many rows per expert since 8ee55c6's run)."""
     from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415 (needs triton)
 
     if label == "table w4a8":
         return None
-    tile = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=num_rows, num_experts=E, k=k, n_out=n_out,
+    tile = triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=num_rows, num_experts=E, k=k, n_out=n_out,
                                  scale_groups=1, compute_capability=90).tile
     return dataclasses.replace(tile, block_n=tile.block_n // 2, num_warps=4 if label.endswith(" w4") else tile.num_warps)
 

@@ -183,6 +183,41 @@ BF16_TILES: dict[int, dict[Op, TileConfig]] = {
 }
 
 
+# BF16 weights with many rows per expert (at least BF16_MANY_ROWS_PER_EXPERT on average: the
+# training shape, 48 experts (Kimi K2 at EP 8) x 32768 rows, ~680 per expert), keyed by op and
+# ``transpose_w`` (the input gradient): 256-row tiles, one weight tile read for twice the rows,
+# where ~170 rows per expert would waste a third of them. SM90, the fastest of a sweep on an H100
+# at the training shape (results/prefill_h100/8ee55c6_training_tiles/prefill_sweep.json): the
+# fused gate/up 3.03 ms against 3.21 for BF16_TILES' tile, the down projection 1.56 against 1.72
+# (torch._grouped_mm 1.49), the input gradients 3.09 and 1.50 ms against the Pallas kernel's 3.24
+# and 1.58 (which BF16_BACKEND takes below).
+BF16_MANY_ROWS_PER_EXPERT = 512
+BF16_MANY_ROWS_TILES: dict[int, dict[tuple[Op, bool], TileConfig]] = {
+    90: {(Op.MATMUL, False): _p(256, 128, 64, 8, 4), (Op.MATMUL, True): _p(256, 128, 64, 8, 3),
+         (Op.GATE_UP_SWIGLU, False): _p(256, 64, 64, 8, 4)},
+}
+
+
+def bf16_many_rows_tile(op: Op, *, num_rows: int, num_experts: int, compute_capability: int,
+                        transpose_w: bool = False) -> TileConfig | None:
+    """The :data:`BF16_MANY_ROWS_TILES` tile for ``num_rows`` rows over ``num_experts``, or None
+    (fewer than :data:`BF16_MANY_ROWS_PER_EXPERT` per expert on average, or none measured)."""
+    if num_rows < BF16_MANY_ROWS_PER_EXPERT * num_experts:
+        return None
+    return BF16_MANY_ROWS_TILES.get(compute_capability, {}).get((op, transpose_w))
+
+
+# W4A8 with many rows per expert (MANY_ROWS_PER_EXPERT), where it differs from W4A16's: the down
+# projection on half the weight rows with 4 warps, so that two programs share an SM (W4A8 issues
+# fewer instructions a weight than W4A16, and one 8-warp program left the SM idle under its
+# placement). SM90, on an H100 at 384 experts x 65536 rows (results/fp8_probe_h100/8ee55c6_two_per_sm/):
+# 3.25 ms against 3.48 for MANY_ROWS_TILES' tile (0.77 and 0.72 of the dense anchor); the gate/up on
+# half its columns with 4 warps took the same time as on its own tile (6.21 ms), so it keeps that.
+W4A8_MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.MATMUL: _p(128, 64, 128, 4, 3, extra_m=64, tail_m=64)},
+}
+
+
 def check_capability(compute_capability: int) -> None:
     if compute_capability not in NATIVE_TILES:
         raise ValueError(f"compute_capability: {compute_capability!r} has no native tile configurations; "
@@ -634,19 +669,24 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
               trans_w: bool = False, gather_rows: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
     (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
-    :data:`MANY_ROWS_PER_EXPERT` rows per expert, :data:`MID_TILES` between one and two decode
-    row tiles per expert)."""
+    :data:`MANY_ROWS_PER_EXPERT` rows per expert (W4A8: :data:`W4A8_MANY_ROWS_TILES` first),
+    :data:`MID_TILES` between one and two decode row tiles per expert; bf16 weights:
+    :data:`BF16_TILES`, or :func:`bf16_many_rows_tile`)."""
     check_capability(compute_capability)
     if mode is Mode.BF16 and tile is None:
         if compute_capability not in BF16_TILES:
             raise ValueError(f"compute_capability: {compute_capability!r} has no bf16 tile configurations; known: "
                              f"{sorted(BF16_TILES)}")
-        tile = BF16_TILES[compute_capability][op]
+        tile = (bf16_many_rows_tile(op, num_rows=num_rows, num_experts=num_experts,
+                                    compute_capability=compute_capability, transpose_w=trans_w)
+                or BF16_TILES[compute_capability][op])
     if tile is None and num_experts == 1:
         tile = one_group_tile(op, num_rows=num_rows, compute_capability=compute_capability)
-    if (tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts
-          and op in MANY_ROWS_TILES.get(compute_capability, {})):
-        tile = MANY_ROWS_TILES[compute_capability][op]
+    many_rows = MANY_ROWS_TILES.get(compute_capability, {})
+    if mode is Mode.W4A8:
+        many_rows = many_rows | W4A8_MANY_ROWS_TILES.get(compute_capability, {})
+    if tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts and op in many_rows:
+        tile = many_rows[op]
     elif tile is None:
         variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
                                         compute_capability=compute_capability)
@@ -890,7 +930,7 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
       w: bf16 ``[E, N, K]``; with ``transpose_w`` (``Op.MATMUL`` only) ``[E, K, N]`` read as its
         transpose, so ``out[m] = x[m] @ W_e``: the input gradient of a forward that read ``W_e``.
       group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
-      compute_capability: picks the tile (:data:`BF16_TILES`).
+      compute_capability: picks the tile (:data:`BF16_TILES`, :func:`bf16_many_rows_tile`).
       tile: overrides the table (benchmark sweeps).
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased).
       row_token_m: None, or int32 ``[M]``: row ``m`` reads row ``row_token_m[m]`` of ``x_mk`` in
@@ -1211,18 +1251,31 @@ W4A8_BACKEND = Backend(name="triton_lang W4A8", forward=_w4a8_expert_mlp_forward
                        forward_reads_rows_by_index=True)
 
 
+def _bf16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+    """``dy @ W_e`` of bf16 weights: :func:`bf16_matmul` reading ``W_e`` transposed where
+    :func:`bf16_many_rows_tile` has a tile for these rows, else the Pallas kernel."""
+    if interpret or bf16_many_rows_tile(Op.MATMUL, num_rows=dy_mn.shape[0], num_experts=group_sizes_e.shape[0],
+                                        compute_capability=compute_capability, transpose_w=True) is None:
+        return PALLAS.input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability, interpret=interpret)
+    return bf16_matmul(Op.MATMUL, dy_mn.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability,
+                       transpose_w=True)
+
+
 #: bf16 weights as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM90, the
 #: capabilities of :data:`BF16_TILES`): the forward GEMMs at prefill sizes through
 #: :func:`bf16_matmul` (~170 rows per expert fill 192 MMA rows, not two 128-row tiles; rows read
-#: by index), decode sizes and both gradients through the Pallas kernels (as fast at the training
-#: shape: 609 and 612 TFLOP/s against 594-601 for the native tiles, benchmarks/results/prefill_h200/).
+#: by index; 256-row tiles from :data:`BF16_MANY_ROWS_PER_EXPERT`), decode sizes through the
+#: Pallas kernels; the input gradient through :func:`bf16_matmul` at many rows per expert, else
+#: the Pallas kernel (as fast as the native table tiles at the training shape: 609 and 612 TFLOP/s
+#: against 594-601, benchmarks/results/prefill_h200/); the weight gradient the Pallas kernel's.
 BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward, matmul=_bf16_matmul,
-                       input_grad=PALLAS.input_grad, weight_grad=PALLAS.weight_grad,
+                       input_grad=_bf16_input_grad, weight_grad=PALLAS.weight_grad,
                        forward_reads_rows_by_index=True)
 
 
-__all__ = ["BF16_BACKEND", "BF16_TILES", "FP8_MAX", "INPUT_GRAD_TILES", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES",
-           "ONE_GROUP_TILES", "NVFP4Rows", "NativeSpec", "InputGradSpec", "W4A16_BACKEND", "W4A8_BACKEND",
-           "W4A8_CAPABILITIES", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
+__all__ = ["BF16_BACKEND", "BF16_MANY_ROWS_PER_EXPERT", "BF16_MANY_ROWS_TILES", "BF16_TILES", "FP8_MAX",
+           "INPUT_GRAD_TILES", "InputGradSpec", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec",
+           "ONE_GROUP_TILES", "W4A16_BACKEND", "W4A8_BACKEND", "W4A8_CAPABILITIES", "W4A8_MANY_ROWS_TILES",
+           "bf16_many_rows_tile", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
            "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "permute_k_w4a8", "quantize_fp8_rows",
            "run"]

@@ -94,3 +94,14 @@ def test_kimi_k2_s_last_experts(transpose_w):
     the end of the buffer (a wrong stride lands outside it, which the bounds checks see)."""
     forward(Op.MATMUL, [3, 70, 0, 200], k=128, n_out=64, experts=384, transpose_w=transpose_w,
             tile=prefill_tile(64, 64, 64, 4, 2, extra_m=64, tail_m=32))
+
+
+@pytest.mark.parametrize("op,transpose_w", [(Op.MATMUL, False), (Op.MATMUL, True), (Op.GATE_UP_SWIGLU, False)],
+                         ids=["matmul", "matmul_transposed_w", "gate_up_swiglu"])
+def test_the_sm90_many_rows_tiles(op, transpose_w):
+    """``BF16_MANY_ROWS_TILES`` (256 rows a tile) as the GPU gets them: experts of one row, a tile
+    less one, one tile, a tile and one, and several tiles, among empty experts."""
+    tile = triton_lang.BF16_MANY_ROWS_TILES[CC][op, transpose_w]
+    block = tile.block_m
+    forward(op, [1, 0, block - 1, block, block + 1, 0, 2 * block + 3], k=128, n_out=64 if op is Op.GATE_UP_SWIGLU else 128,
+            tile=tile, transpose_w=transpose_w, seed=17)

@@ -106,6 +106,13 @@ def test_every_sm90_tile_of_the_table(op, variant):
     forward(op, [70, 0, 130, 9], k=1024, n_out=128, variant=variant)
 
 
+def test_the_many_rows_down_tile():
+    """``W4A8_MANY_ROWS_TILES``' down tile (half the weight rows, 4 warps) with each row path: a
+    64-row tail, 128 rows, 128 + 64 in two MMAs, and an expert of more than one tile."""
+    forward(Op.MATMUL, [64, 0, 65, 128, 0, 192, 250, 1], k=256, n_out=128,
+            tile=triton_lang.W4A8_MANY_ROWS_TILES[CC][Op.MATMUL], seed=9)
+
+
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=str)
 def test_group_size_patterns(op, pattern):

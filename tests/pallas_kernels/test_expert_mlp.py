@@ -128,10 +128,10 @@ def test_interpret_rows_read_by_index_match_float64_reference(rng, fmt):
            interpret=True)
 
 
-def _many_rows(experts: int) -> tuple[int, ...]:
-    """Group sizes past :data:`tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT` rows per expert on
-    average, one expert empty and one a row over the average."""
-    rows = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT
+def _many_rows(experts: int, rows: int = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT) -> tuple[int, ...]:
+    """Group sizes past ``rows`` per expert on average (by default
+    :data:`tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT`), one expert empty and one a row over
+    twice that."""
     groups = [rows + 5] * experts
     groups[1], groups[-1] = 0, 2 * rows + 1
     return tuple(groups)
@@ -155,6 +155,25 @@ def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows)
     # by_index: the gate/up kernel reads 273 rows from 61 tokens in place (row_token_m).
     _check(rng, fmt, groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
            backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index"])
+def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows):
+    """``triton_lang.BF16_BACKEND``: the native bf16 tiles forward, the input gradients through the
+    Pallas kernel at few rows per expert and the native kernel's many-rows tile at many
+    (``BF16_MANY_ROWS_PER_EXPERT``), the Pallas weight gradient."""
+    triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
+    cc = _gpu_capability()
+    if cc not in triton_lang.BF16_TILES:
+        pytest.skip(f"SM{cc} has no native bf16 tiles (measured on SM90 only)")
+    groups = (_many_rows(8, triton_lang.BF16_MANY_ROWS_PER_EXPERT) if rows == "many_rows"
+              else (150, 0, 3, 70, 1, 0, 40, 9))
+    if rows == "many_rows":
+        assert triton_lang.bf16_many_rows_tile(triton_lang.Op.MATMUL, num_rows=sum(groups) + 37, num_experts=8,
+                                               compute_capability=cc, transpose_w=True) is not None
+    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
+           backend=triton_lang.BF16_BACKEND, compute_capability=cc)
 
 
 def test_bad_arguments_raise_naming_the_argument():

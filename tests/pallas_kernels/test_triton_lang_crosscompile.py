@@ -273,24 +273,54 @@ def test_w4a16_word_pairs_and_column_order(block_k):
     assert sorted(perm) == list(range(block_k))
 
 
-@pytest.mark.parametrize("op,transpose_w", [(Op.GATE_UP_SWIGLU, False), (Op.MATMUL, False), (Op.MATMUL, True)],
-                         ids=["gate_up_swiglu", "matmul", "matmul_transposed_w"])
-def test_bf16_tiles_compile_to_wgmma_without_spills(op, transpose_w):
-    """``Mode.BF16``'s SM90 tiles at Kimi K2's projections over 384 experts: ``wgmma`` for both
-    row paths (block_m and extra_m), no spills, within the shared memory."""
+BF16_CASES = [(Op.GATE_UP_SWIGLU, False), (Op.MATMUL, False), (Op.MATMUL, True)]
+BF16_IDS = ["gate_up_swiglu", "matmul", "matmul_transposed_w"]
+
+
+@pytest.mark.parametrize("rows,experts", [(65536, 384), (32768, 48)], ids=["kimi_prefill", "training"])
+@pytest.mark.parametrize("op,transpose_w", BF16_CASES, ids=BF16_IDS)
+def test_bf16_tiles_compile_to_wgmma_without_spills(op, transpose_w, rows, experts):
+    """``Mode.BF16``'s SM90 tiles at Kimi K2's projections (the table's at 384 experts, the
+    many-rows tiles at the training shape), the fused gate/up reading its rows by index as the
+    layer calls it: ``wgmma`` for every row path, no spills, within the shared memory."""
     from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
 
     h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
     k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
-    spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=65536, num_experts=384, k=k, n_out=n_out,
-                                 scale_groups=1, compute_capability=90, trans_w=transpose_w)
-    assert spec.tile == triton_lang.BF16_TILES[90][op]
+    spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
+                                 scale_groups=1, compute_capability=90, trans_w=transpose_w,
+                                 gather_rows=rows // 8 if op is Op.GATE_UP_SWIGLU else 0)
+    many = rows >= triton_lang.BF16_MANY_ROWS_PER_EXPERT * experts
+    assert spec.tile == (triton_lang.BF16_MANY_ROWS_TILES[90][op, transpose_w] if many else triton_lang.BF16_TILES[90][op])
     kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
                                   constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
                                   num_stages=spec.tile.num_stages, name=f"native_bf16_{op.value}")
     mma = set(re.findall(EXPECTED[90][1], kernel.ptx))
-    assert {f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in (spec.tile.block_m, spec.tile.extra_m)} <= mma
+    paths = {spec.tile.block_m, spec.tile.extra_m, spec.tile.tail_m} - {0}
+    assert {f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in paths} <= mma, (mma, spec.tile)
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+
+
+@pytest.mark.parametrize("op,transpose_w", BF16_CASES, ids=BF16_IDS)
+def test_bf16_many_rows_tiles_from_their_threshold_on_sm90_only(op, transpose_w):
+    """From ``BF16_MANY_ROWS_PER_EXPERT`` rows per expert on average the many-rows tile; a row
+    fewer, and on capabilities without one, the table's; an explicit tile always wins."""
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    threshold = triton_lang.BF16_MANY_ROWS_PER_EXPERT * 48
+
+    def tile(rows, cc=90, **kwargs):
+        return triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=rows, num_experts=48, k=k, n_out=n_out,
+                                     scale_groups=1, compute_capability=cc, trans_w=transpose_w, **kwargs).tile
+
+    many = triton_lang.BF16_MANY_ROWS_TILES[90][op, transpose_w]
+    assert many.block_m == 256 and not many.extra_m
+    assert tile(threshold) == many
+    assert tile(threshold - 1) == triton_lang.BF16_TILES[90][op]
+    assert tile(threshold, tile=triton_lang.BF16_TILES[90][op]) == triton_lang.BF16_TILES[90][op]
+    for cc in (80, 120):
+        assert triton_lang.bf16_many_rows_tile(op, num_rows=threshold, num_experts=48, compute_capability=cc,
+                                               transpose_w=transpose_w) is None
 
 
 def test_bf16_bad_input_gets_one_line_naming_the_argument():
@@ -359,6 +389,12 @@ def test_w4a8_prefill_tiles_compile_to_fp8_wgmma_without_spills(op, rows):
     spec = triton_lang.make_spec(op, triton_lang.Mode.W4A8, num_rows=rows, num_experts=384, k=k, n_out=n_out,
                                  scale_groups=1, compute_capability=90,
                                  gather_rows=rows // 8 if op is Op.GATE_UP_SWIGLU else 0)
+    w4a16 = triton_lang.make_spec(op, triton_lang.Mode.W4A16, num_rows=rows, num_experts=384, k=k, n_out=n_out,
+                                  scale_groups=1, compute_capability=90).tile
+    if rows >= triton_lang.MANY_ROWS_PER_EXPERT * 384 and op in triton_lang.W4A8_MANY_ROWS_TILES[90]:
+        assert spec.tile == triton_lang.W4A8_MANY_ROWS_TILES[90][op] != w4a16
+    else:
+        assert spec.tile == w4a16
     assert triton_lang.signature(spec)["x_ptr"] == "*fp8e4nv"
     kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
                                   constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,

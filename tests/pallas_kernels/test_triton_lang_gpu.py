@@ -319,21 +319,32 @@ def _bf16_capability() -> int:
     return cc
 
 
+def _row_path_sizes(tile) -> np.ndarray:
+    """Group sizes at 384 experts, the last ones used, one row either side of each row path of
+    ``tile`` (a tail, ``block_m``, ``block_m + extra_m``, several tiles), empty experts between."""
+    tail, block, full = tile.tail_m, tile.block_m, tile.block_m + tile.extra_m
+    sizes = np.zeros(384, np.int32)
+    paths = ([tail, tail + 1, block, block + 1, full, full + 1, tail - 1, 1, full - 1, 2 * full + tail,
+              3 * full + tail + 1] if tail else
+             [1, block - 1, block, block + 1, 2 * block - 1, 2 * block, 2 * block + 1, block // 2, 7, 3 * block + 1,
+              4 * block - 1])
+    sizes[[0, 1, 2, 3, 5, 7, 100, 380, 381, 382, 383]] = paths
+    return sizes
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["table", "many_rows"])
 @pytest.mark.parametrize("op,transpose_w", [(Op.MATMUL, False), (Op.MATMUL, True), (Op.GATE_UP_SWIGLU, False)],
                          ids=["matmul", "matmul_transposed_w", "gate_up_swiglu"])
-def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w):
-    """The bf16 prefill tiles' three row paths (tail, ``block_m``, ``block_m + extra_m``) with
-    experts one row either side of each, empty ones between, 384 experts with the last used; a
-    NaN-poisoned output whose padding rows must keep their poison; float64 reference."""
+def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w, tiles):
+    """The bf16 prefill tiles' row paths (``BF16_TILES``: tail, ``block_m``, ``block_m +
+    extra_m``; ``BF16_MANY_ROWS_TILES``: 256-row tiles) with experts one row either side of each,
+    empty ones between, 384 experts with the last used; a NaN-poisoned output whose padding rows
+    must keep their poison; float64 reference."""
     cc = _bf16_capability()
-    tile = triton_lang.BF16_TILES[cc][op]
+    tile = triton_lang.BF16_TILES[cc][op] if tiles == "table" else triton_lang.BF16_MANY_ROWS_TILES[cc][op, transpose_w]
     e, k, n_out = 384, 256, 128
-    tail, block, extra = tile.tail_m, tile.block_m, tile.extra_m
-    sizes = np.zeros(e, np.int32)
-    sizes[[0, 1, 2, 3, 5, 7, 100, 380, 381, 382, 383]] = [
-        tail, tail + 1, block, block + 1, block + extra, block + extra + 1, tail - 1, 1, block + extra - 1,
-        2 * (block + extra) + tail, 3 * (block + extra) + tail + 1]
+    sizes = _row_path_sizes(tile)
     n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
     w64 = rng.standard_normal((e, n_w, k)) / np.sqrt(k)
     w = jnp.asarray(np.swapaxes(w64, 1, 2) if transpose_w else w64, jnp.bfloat16)
@@ -342,7 +353,8 @@ def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w):
     m, defined = int(sizes.sum()) + 29, int(sizes.sum())
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
-    call = jax.jit(functools.partial(triton_lang.bf16_matmul, op, compute_capability=cc, transpose_w=transpose_w))
+    call = jax.jit(functools.partial(triton_lang.bf16_matmul, op, compute_capability=cc, transpose_w=transpose_w,
+                                     tile=tile))
     y = np.asarray(call(x, w, jnp.asarray(sizes), out=poisoned).astype(jnp.float32), np.float64)
     x64, starts = np.asarray(x, np.float64), np.concatenate([[0], np.cumsum(sizes)])
     want = np.concatenate([expert_reference("gate_up_swiglu" if op is Op.GATE_UP_SWIGLU else "down",
@@ -350,7 +362,7 @@ def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w):
     assert np.isfinite(y[:defined]).all(), f"{np.count_nonzero(~np.isfinite(y[:defined]))} defined elements unwritten"
     assert np.isnan(y[defined:]).all(), "padding rows were written"
     rel = np.linalg.norm(y[:defined] - want) / np.linalg.norm(want)
-    assert rel < TOLERANCE, f"bf16 {op.value} transpose_w={transpose_w}: relative Frobenius error {rel:.3g}"
+    assert rel < TOLERANCE, f"bf16 {op.value} transpose_w={transpose_w} {tile}: relative Frobenius error {rel:.3g}"
 
 
 @pytest.mark.gpu
@@ -403,3 +415,33 @@ def test_native_w4a8_kimi_size_top_experts_match_float64_of_what_it_multiplies(r
 
     _check_top_experts(rng, record_property, f"native w4a8 {op}", kernel, "nvfp4", (n, k), k, n_out, expert_fn,
                        mid_rows=True)
+
+
+@pytest.mark.gpu
+def test_native_w4a8_many_rows_down_tile_row_paths_match_float64_of_what_it_multiplies(rng):
+    """``W4A8_MANY_ROWS_TILES``' down tile (half the weight rows, 4 warps) with experts one row
+    either side of each row path, 384 experts with the last used, a NaN-poisoned output; the
+    reference multiplies in float64 what the kernel multiplies (rows quantized to E4M3 per row,
+    each code times its block scale over 8 rounded to E4M3, times 8 and the global scale)."""
+    cc = _capability()
+    if cc not in triton_lang.W4A8_MANY_ROWS_TILES:
+        pytest.skip(f"SM{cc} has no W4A8 many-rows tiles (W4A8 runs on SM{sorted(triton_lang.W4A8_CAPABILITIES)})")
+    tile = triton_lang.W4A8_MANY_ROWS_TILES[cc][Op.MATMUL]
+    e, k, n_out = 384, 256, 192
+    sizes = _row_path_sizes(tile)
+    w = _random_nvfp4(rng, e, n_out, k)
+    m, defined = int(sizes.sum()) + 29, int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
+    poisoned = jnp.full((m, n_out), jnp.nan, jnp.bfloat16)
+    call = jax.jit(functools.partial(triton_lang.run, Op.MATMUL, compute_capability=cc, mode=triton_lang.Mode.W4A8,
+                                     tile=tile))
+    y = np.asarray(call(x, w, jnp.asarray(sizes), out=poisoned).astype(jnp.float32), np.float64)
+    dense = reference.dequantize(np.asarray(w.packed), np.asarray(w.scales), np.asarray(w.global_scale))
+    g = np.asarray(w.global_scale, np.float64)[:, None, None]
+    as_multiplied = e4m3_round(dense / g / 8) * 8 * g  # code * scale is exact in float64, so is / g
+    rows, starts = rows_as_multiplied(np.asarray(x, np.float64)), np.concatenate([[0], np.cumsum(sizes)])
+    want = np.concatenate([rows[starts[i]:starts[i + 1]] @ as_multiplied[i].T for i in range(e)])
+    assert np.isfinite(y[:defined]).all(), f"{np.count_nonzero(~np.isfinite(y[:defined]))} defined elements unwritten"
+    assert np.isnan(y[defined:]).all(), "padding rows were written"
+    rel = np.linalg.norm(y[:defined] - want) / np.linalg.norm(want)
+    assert rel < TOLERANCE, f"W4A8 many-rows down {tile}: relative Frobenius error {rel:.3g}"

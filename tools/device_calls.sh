@@ -13,11 +13,10 @@
 #             export loads (bf16 shared expert and router); the router's top-k by formulation
 #             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
 #   probes    the W4A8 probe at 65536 and 8192 rows against the table kernels and the dense anchor,
-#             then on irregular routing (every tile kind and its edges), then W4A8 on tiles of half
-#             the weight rows, two programs per SM (~420 s)
-#   training  the bf16 training step and its GEMMs with the native weight gradient beside the
-#             Pallas kernel and torch, the native weight gradient's tile sweep, then the bf16
-#             forward and input-gradient tiles at 48 experts x 32768 rows (~350 s)
+#             then on irregular routing (every tile kind and its edges) (~300 s)
+#   training  the bf16 training step and its GEMMs (the 256-row bf16 tiles from 512 rows per
+#             expert) with the native weight gradient beside the Pallas kernel and torch, then
+#             the native weight gradient's tile sweep (~500 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
@@ -72,18 +71,10 @@ case "$call" in
       "table w4a16" "bf16 table" "probe bf16" "probe fp8" "probe w4a16" "probe w4a8" "probe w4a8 s4"
     step probe_edges 90 python benchmarks/fp8_probe.py --out "$out/probe_edges" --rows 65536 --routing irregular \
       --shapes down --kernels "table w4a16" "probe fp8" "probe w4a8" "probe w4a16" --budget-s 80
-    # Half the weight rows a tile: W4A8 down at 127-128 registers, two programs per SM
-    # (cross-compiled), against the table's and the probe's tiles in the step before (one program)
-    step two_per_sm 120 python benchmarks/fp8_probe.py --out "$out/two_per_sm" --rows 65536 --budget-s 110 \
-      --block-n-down 64 --block-n-gate-up 32 --kernels "table w4a8" "table w4a8 half" \
-      "table w4a8 half w4" "probe w4a8"
     ;;
   training)
     step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220
     step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
-    # The bf16 forward and input-gradient tiles at the training shape: 256-row tiles against the table's
-    step bf16_sweep_48 240 python benchmarks/prefill_sweep.py --out "$out/bf16_sweep_48" --rows 32768 --experts 48 \
-      --only anchor bf16 dx --runs 20
     ;;
   w4a8)
     step layer_w4a8 200 python benchmarks/layer.py --out "$out/layer_w4a8" --tokens 32 256 8192 --iters 10 \

@@ -8,9 +8,10 @@ Per shape (rows over 384 experts, uniform routing or ``--routing irregular``; ga
 * ``dense anchor``: ``[M, K] x [K, N]`` bf16 through XLA (cuBLAS), the FLOPs of the grouped GEMM;
 * ``table w4a16``: ``triton_lang.run`` (rows already in its ``permute_k`` order);
 * ``table w4a8``: ``triton_lang.run(mode=W4A8)`` from bf16 rows (its per-row E4M3 quantization pass
-  included, and for gate/up its rows read by index in a random order: as the layer runs it); ``table w4a8 half`` on W4A16's tile with half the output
-  columns (``tile=``, :func:`table_w4a8_tile`): fewer registers, two programs per SM for the down
-  projection; ``table w4a8 half w4`` with 4 warps too: two programs per SM for both;
+  included, and for gate/up its rows read by index in a random order: as the layer runs it);
+  ``table w4a8 half`` on W4A16's tile with half the output columns (``tile=``,
+  :func:`table_w4a8_tile`): fewer registers, two programs per SM for the down projection;
+  ``table w4a8 half w4`` with 4 warps too: two programs per SM for both;
 * ``bf16 table``: ``triton_lang.bf16_matmul`` on the weights dequantized to bf16 (exact);
 * ``probe bf16`` / ``probe fp8``: ``fp8_probe_kernel`` with bf16, or E4M3, weights and rows from
   memory (E4M3 weights: ``code * scale / 8`` rounded, as W4A8 places them): the schedule's rate

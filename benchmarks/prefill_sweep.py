@@ -56,14 +56,16 @@ NVFP4_CANDIDATES = {
     "down": [None, _p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64),
              _p(128, 128, 128, 8, 4, extra_m=64, tail_m=64), _p(128, 256, 64, 8, 3)],
 }
-# The training shape (48 experts, 32768 rows: ~680 rows per expert, from TRAINING_ROWS_PER_EXPERT on
-# average): the table's tile (None) against 256-row tiles, which read each weight tile once per 256
-# rows instead of 192 (cross-compiled for SM90 without spills within the shared memory: gate/up
-# 256x64x64 w8 s4 207 registers, down 256x128x64 198 and 256x64x64 120, 128x256x64 183).
-TRAINING_ROWS_PER_EXPERT = 512
+# The training shape (48 experts, 32768 rows: ~680 rows per expert, from the library's
+# BF16_MANY_ROWS_PER_EXPERT on average): the library's tile there (None: since bdd1fac its 256-row
+# tile, 256x64x64 / 256x128x64 w8 s4) and BF16_TILES' 128 + 64-row tile against other 256-row
+# tiles, which read each weight tile once per 256 rows instead of 192 (cross-compiled for SM90
+# without spills within the shared memory: gate/up 256x64x64 w8 s4 207 registers, down
+# 256x128x64 198 and 256x64x64 120, 128x256x64 183).
 TRAINING_BF16_CANDIDATES = {
-    "gate_up": [None, _p(256, 64, 64, 8, 4), _p(256, 64, 64, 8, 3)],
-    "down": [None, _p(256, 128, 64, 8, 3), _p(256, 128, 64, 8, 4), _p(256, 64, 64, 8, 4), _p(128, 256, 64, 8, 3)],
+    "gate_up": [None, triton_lang.BF16_TILES[90][G], _p(256, 64, 64, 8, 3)],
+    "down": [None, triton_lang.BF16_TILES[90][M], _p(256, 128, 64, 8, 3), _p(256, 64, 64, 8, 4),
+             _p(128, 256, 64, 8, 3)],
 }
 DX_CANDIDATES = [_p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 128, 64, 8, 3), _p(128, 256, 64, 8, 3),
                  _p(256, 128, 64, 8, 3), _p(256, 64, 64, 8, 4)]
@@ -186,7 +188,7 @@ def grouped(rows_out, args, cc, experts, rows):
         if "bf16" in args.only:
             ref = measure(rows_out, "bf16", projection, "pallas", "table", jax.jit(
                 lambda x, w, g: pallas_run(op, x, w, g, compute_capability=cc)), (x, w, g), work, None, args.runs, "")
-            training = rows >= TRAINING_ROWS_PER_EXPERT * experts
+            training = rows >= triton_lang.BF16_MANY_ROWS_PER_EXPERT * experts
             for tile in (TRAINING_BF16_CANDIDATES if training else BF16_CANDIDATES)[projection]:
                 measure(rows_out, "bf16", projection, "native bf16", tile_name(tile), jax.jit(
                     lambda x, w, g, tile=tile: triton_lang.bf16_matmul(op, x, w, g, compute_capability=cc, tile=tile)),

@@ -105,6 +105,7 @@ GEMM_OPS = ("forward", "input_grad", "weight_grad")
 KERNEL_NAMES = {"forward": "grouped_matmul", "input_grad": "grouped_matmul_input_grad",
                 "weight_grad": "grouped_matmul_weight_grad"}
 HIGHEST = jax.lax.Precision.HIGHEST
+PROFILE_TOP = 12  # kernels listed per profiled step (--profile); the rest summed
 
 
 def projections(shape: dict) -> dict:
@@ -371,6 +372,7 @@ class Context:
     xla_rows: tuple
     started: float
     budget_s: float | None
+    profile_calls: int = 0  # --profile: calls of each JAX step recorded under jax.profiler (0: none)
 
     def over_budget(self) -> bool:
         return self.budget_s is not None and time.time() - self.started > self.budget_s
@@ -493,6 +495,8 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
             if ok:
                 seconds, _ = expert_parallel.timed(fn, *args, iters=ctx.iters, windows=ctx.windows)
                 row["ms"] = seconds * 1e3
+                if ctx.profile_calls:
+                    row["profile"] = kernel_profile(fn, args, ctx.profile_calls)
         except Exception as err:  # noqa: BLE001 -- recorded in the results, never hidden
             failed(row, err)
         say(row, f"step {impl} {case.tag}")
@@ -505,6 +509,22 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
             failed(row, err)
         say(row, f"step torch {case.tag}")
     return _tflops(out)
+
+
+def kernel_profile(fn, args, calls: int, top: int = PROFILE_TOP) -> dict:
+    """Where a step's GPU time goes: ``calls`` calls under ``jax.profiler.trace`` (CUPTI: the
+    kernels run as unprofiled), per call the span of its kernels, the time some kernel runs, and
+    its ``top`` kernels by time (``profile_layer.summarize``; the rest summed)."""
+    import profile_layer  # noqa: PLC0415
+
+    kernels, _ = profile_layer.profile(fn, args, calls, None)
+    summary = profile_layer.summarize(kernels, calls)
+    table = summary["table"]
+    summary["table"] = table[:top]
+    summary["rest_us"] = sum(r["us_per_call"] for r in table[top:])
+    summary["rest_kernels"] = len(table[top:])
+    summary["calls"] = calls
+    return summary
 
 
 ANCHOR_IMPL = "dense anchor (XLA)"
@@ -863,6 +883,26 @@ def markdown(data: dict) -> str:
             cells.append(_num(anchor["ms"] / row["ms"] if anchor and "ms" in anchor and "ms" in row else None, ".2f"))
         cells += [_num(row.get("err"), ".1e"), _num(row.get("err_vs_xla"), ".1e"), _num(ratio, ".2f"), _note(row)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    profiled = [r for r in steps if r.get("profile")]
+    if profiled:
+        lines += ["", "## Where each step's GPU time goes (`--profile`)", "",
+                  "Per call, from calls recorded under `jax.profiler.trace` after timing: span = first kernel's "
+                  "start to last kernel's end, busy = time some kernel runs (span - busy: gaps between kernels); "
+                  "the kernels by time, the rest summed."]
+        for row in profiled:
+            p = row["profile"]
+            if not p["table"]:
+                lines += ["", f"### {row['impl']}, {row['routing']} M={row['rows']}: the trace holds no GPU kernels"]
+                continue
+            lines += ["", f"### {row['impl']}, {row['weights']} {row['routing']} M={row['rows']}", "",
+                      f"wall {row['ms'] * 1e3:.0f} us; kernels: span {p['span_us']:.0f} us, busy {p['busy_us']:.0f} us, "
+                      f"{p['kernels_per_call']:.0f} launches ({p['calls']} calls)", "",
+                      "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
+            for k in p["table"]:
+                lines.append(f"| `{k['kernel'][:70]}` | `{k['hlo_op'][:50]}` | {k['launches_per_call']:.0f} | "
+                             f"{k['us_per_call']:.1f} | {k['us_per_call'] / p['busy_us']:.1%} |")
+            if p["rest_kernels"]:
+                lines.append(f"| {p['rest_kernels']} more | | | {p['rest_us']:.1f} | {p['rest_us'] / p['busy_us']:.1%} |")
     lines += [
         "",
         "## Grouped GEMMs alone",
@@ -1024,6 +1064,8 @@ def parse_args(argv=None):
     parser.add_argument("--xla-rows", type=int, nargs="*", default=None,
                         help="rows at which the xla path runs (default: all of --rows; it is slow: dense expansion)")
     parser.add_argument("--skip-gemms", action="store_true", help="no GEMM-alone rows")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="record CALLS calls of each timed JAX step under jax.profiler: its kernels by time")
     parser.add_argument("--iters", type=int, default=10, help="calls per timing window")
     parser.add_argument("--windows", type=int, default=5, help="timing windows (median)")
     parser.add_argument("--xla-iters", type=int, default=2, help="calls per window for the xla path")
@@ -1046,6 +1088,8 @@ def parse_args(argv=None):
         args.xla_rows = list(args.rows)
     if args.smoke:
         args.iters, args.windows, args.xla_iters, args.torch_runs = 1, 1, 1, 2
+    if args.profile < 0:
+        parser.error(f"--profile: {args.profile} calls, expected >= 0")
     for name in ("iters", "windows", "xla_iters", "torch_runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1")
@@ -1067,7 +1111,8 @@ def main(argv=None):
                   xla_iters=args.xla_iters, torch_runs=args.torch_runs, max_err=args.max_err,
                   # The untimed references skip XLA's GEMM autotuning (seconds per shape at these sizes).
                   ref_options={"xla_gpu_autotune_level": 0} if device.platform == "gpu" else {},
-                  xla_rows=tuple(args.xla_rows), started=started, budget_s=args.budget_s)
+                  xla_rows=tuple(args.xla_rows), started=started, budget_s=args.budget_s,
+                  profile_calls=args.profile)
     commit, dirty = provenance(args.commit)
     env = {k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "XLA_FLAGS") or
            k.startswith("XLA_PYTHON_CLIENT_")}

@@ -98,9 +98,16 @@ def test_smoke_steps_and_gemms(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
-    data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2")
+    data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2", "--profile", "1")
     bound = data["meta"]["max_err"]
     assert not data["gemms"]
+    # --profile: each timed pallas step recorded once under jax.profiler (the CPU's trace has no GPU
+    # kernels, so its table is empty and the page says so); the slow xla steps are never profiled.
+    for row in data["steps"]:
+        assert (row["impl"] == "pallas") == ("profile" in row), row
+        if "profile" in row:
+            assert row["profile"]["calls"] == 1 and row["profile"]["table"] == [], row["profile"]
+    assert "## Where each step's GPU time goes" in (tmp_path / "train_step.md").read_text()
     assert {(r["impl"], r["routing"]) for r in data["steps"]} == {
         (i, r) for i in ("xla", "pallas") for r in ("uniform", "zipf")}
     layers = data["layers"]
@@ -112,6 +119,30 @@ def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
     assert all(r["tokens"] == r["ep"] * r["rows"] // data["meta"]["shape"]["top_k"] for r in layers)
     for row in data["steps"] + layers:
         _check_timed(row, bound)
+
+
+def test_profile_renders_the_kernels_by_time():
+    """A profiled step's kernels on the page: shares of the busy time, the rest summed."""
+    bench = _load()
+    row = {"impl": "triton", "weights": "bf16", "routing": "uniform", "rows": 32768, "ms": 16.0, "grads": "x, w",
+           "profile": {"calls": 3, "span_us": 15900.0, "busy_us": 15000.0, "kernels_per_call": 40,
+                       "table": [{"kernel": "_kernel", "hlo_op": "custom-call.3", "launches_per_call": 2,
+                                  "us_per_call": 6000.0}],
+                       "rest_us": 9000.0, "rest_kernels": 30}}
+    data = {"meta": {"device": "1 x GPU", "date": "d", "commit": "c", "dirty": "0", "command": "x", "versions": "v",
+                     "shape": bench.KIMI, "timing": "t", "correctness": "c"},
+            "steps": [row], "gemms": [], "layers": [], "targets": []}
+    page = bench.markdown(data)
+    assert "### triton, bf16 uniform M=32768" in page
+    assert "wall 16000 us; kernels: span 15900 us, busy 15000 us, 40 launches (3 calls)" in page
+    assert "| `_kernel` | `custom-call.3` | 2 | 6000.0 | 40.0% |" in page
+    assert "| 30 more | | | 9000.0 | 60.0% |" in page
+
+
+def test_profile_calls_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        _load().parse_args(["--out", "x", "--profile", "-1"])
+    assert "--profile: -1 calls, expected >= 0" in capsys.readouterr().err
 
 
 def test_group_sizes_and_padded_layout():

@@ -380,3 +380,35 @@ def test_the_script_runs_fewer_workers_on_a_gpu_of_less_memory(tmp_path, gpu, mi
     spec = (tmp_path / "out" / "pass_1gpu.spec").read_text()
     assert f" -n {workers} " in spec, spec
     assert gpu in (tmp_path / "out" / "device.txt").read_text()
+
+
+def test_the_demo_runs_beside_pass_1_and_its_status_reaches_the_record(tmp_path):
+    """The demo starts in the background: pass 1 starts before it ends, and the record still
+    gets its exit status (a failing demo fails the check) and says its throughput is no benchmark."""
+    root = TOOL.parents[1]
+    fake_python = _FAKE_PYTHON.replace(
+        '"-m moe_jax.cli") echo "moe-jax demo on 1 x NVIDIA H200 (gpu)"; exit 0 ;;',
+        '"-m moe_jax.cli") sleep 3; echo "moe-jax demo on 1 x NVIDIA H200 (gpu)"; echo "throughput: 9 tokens/s"; '
+        'date +%s.%N > "$FAKE_DEMO_END"; exit "$FAKE_DEMO_RC" ;;')
+    (tmp_path / "python").write_text(fake_python)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "pytest.py").write_text(
+        "import sys, time\nopen(sys.argv[-1], 'w').write(repr(time.time()))\n"
+        "xml = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml='))\n"
+        "open(xml, 'w').write('<testsuites><testsuite name=\"pytest\"><testcase classname=\"tests.test_a\" "
+        "file=\"tests/test_a.py\" name=\"test_1\" time=\"1.0\"/></testsuite></testsuites>')\n")
+    for demo_rc, verdict in ((0, "# GPU check: passed"), (3, "# GPU check: FAILED")):
+        out = tmp_path / f"out{demo_rc}"
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")},
+               "PYTHON": str(tmp_path / "python"), "REAL_PYTHON": sys.executable,
+               "FAKE_PYTEST": str(tmp_path / "pytest.py"), "FAKE_DEMO_END": str(tmp_path / f"demo_end{demo_rc}"),
+               "FAKE_DEMO_RC": str(demo_rc), "GIT_COMMIT": "abc123", "GIT_DIRTY": "0", "GPU_CHECK_PASSES": "1",
+               "GPU_CHECK_PASS1": str(tmp_path / f"pytest_start{demo_rc}")}
+        done = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(out)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == (demo_rc != 0), done.stdout + done.stderr
+        started = float((tmp_path / f"pytest_start{demo_rc}").read_text())
+        assert started < float((tmp_path / f"demo_end{demo_rc}").read_text()), "pass 1 waited for the demo"
+        record = (out / "gpu_check.md").read_text()
+        assert record.startswith(verdict), record[:300]
+        assert f"rc {demo_rc}" in record and "throughput above: measured beside the GPU check's tests" in record

@@ -517,7 +517,8 @@ def kernel_profile(fn, args, calls: int, top: int = PROFILE_TOP) -> dict:
     its ``top`` kernels by time (``profile_layer.summarize``; the rest summed)."""
     import profile_layer  # noqa: PLC0415
 
-    kernels, _ = profile_layer.profile(fn, args, calls, None)
+    # Jitted as the timing runs it (called as is, a step would run op by op).
+    kernels, _ = profile_layer.profile(jax.jit(fn), args, calls, None)
     summary = profile_layer.summarize(kernels, calls)
     table = summary["table"]
     summary["table"] = table[:top]

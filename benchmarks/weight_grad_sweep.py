@@ -3,6 +3,12 @@ experts), 8192 and 32768 rows; wall time per synchronized call, median of 10 aft
 
     python3 benchmarks/weight_grad_sweep.py OUT.json                    # the Pallas kernel
     python3 benchmarks/weight_grad_sweep.py OUT.json --kernel native    # the persistent native one
+    ncu ... python3 benchmarks/weight_grad_sweep.py OUT.json --once     # for Nsight Compute, below
+
+``--once``: no sweep; at 32768 rows, for each projection the Pallas kernel and the native one on
+their table tiles and ``torch._grouped_mm`` (``x^T dy`` per group, as torch's backward computes
+it), each called twice (the first call compiles); OUT.json lists the calls in order, so the
+second launch of each in an ``ncu`` report is the one to read.
 
 The Pallas pair in ``pallas_kernels.grouped_matmul.tuning.WEIGHT_GRAD_TILES[90]`` was picked from
 its output (benchmarks/results/train_step_h200/weight_grad_sweep.json); the native kernel's
@@ -36,7 +42,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON file to write")
     parser.add_argument("--kernel", choices=["pallas", "native"], default="pallas")
+    parser.add_argument("--once", action="store_true", help="one launch of each kernel, for Nsight Compute")
     args = parser.parse_args()
+    if args.once:
+        return once(args.out)
     rng = np.random.default_rng(0)
     table = tuning.WEIGHT_GRAD_TILES[90]
     rows = []
@@ -82,6 +91,33 @@ def main() -> None:
             del ref
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def once(out: str) -> None:
+    """One launch each (after a first call) of the three weight gradients at 32768 rows."""
+    import torch  # noqa: PLC0415
+
+    m = 32768
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(m, np.full(E, 1 / E)), jnp.int32)
+    offs = torch.as_tensor(np.cumsum(np.asarray(gs)).astype(np.int32), device="cuda")
+    launches = []
+    for proj, (k, n) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
+        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+        dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+        tx, tdy = (torch.from_dlpack(a) for a in (x, dy))
+        for name, f in (
+                ("pallas", lambda: grouped_matmul_weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023
+                                                              out_dtype=jnp.bfloat16).block_until_ready()),
+                ("native", lambda: triton_weight_grad.weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023
+                                                                  out_dtype=jnp.bfloat16).block_until_ready()),
+                ("torch", lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs), torch.cuda.synchronize()))):  # noqa: B023
+            for call in ("first", "measured"):
+                f()
+                launches.append(dict(m=m, proj=proj, kernel=name, call=call))
+                print(proj, name, call, flush=True)
+        del x, dy, tx, tdy
+    with open(out, "w") as f:
+        json.dump(launches, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,23 @@
 #             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
 #   probes    the W4A8 probe at 65536 and 8192 rows against the table kernels and the dense anchor,
 #             then on irregular routing (every tile kind and its edges) (~300 s)
-#   training  the bf16 training step and its GEMMs (the 256-row bf16 tiles from 512 rows per
-#             expert) with the native weight gradient beside the Pallas kernel and torch, then
-#             the native weight gradient's tile sweep (~500 s)
+#   training  the bf16 training step and its GEMMs with the native weight gradient beside the
+#             Pallas kernel and torch, each step's kernels by time (--profile), then the native
+#             weight gradient's tile sweep (~500 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
+#   wgrad     Nsight Compute of the training shape's weight gradients: the Pallas kernel, the
+#             native one and torch's _grouped_mm, both projections at 32768 rows (~150 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu)"; exit 2 ;;
+  layer|probes|training|w4a8|ncu|wgrad) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -73,7 +75,8 @@ case "$call" in
       --shapes down --kernels "table w4a16" "probe fp8" "probe w4a8" "probe w4a16" --budget-s 80
     ;;
   training)
-    step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220
+    step train_step 260 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --budget-s 220 \
+      --profile 3
     step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
     ;;
   w4a8)
@@ -90,6 +93,12 @@ case "$call" in
       --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
       --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
+    ;;
+  wgrad)  # each kernel launched twice (the first call compiles): read the second of each
+    step ncu_wgrad 300 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|^_kernel|cutlass|gemm|Gemm|sm90" \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+      --metrics lts__t_bytes.sum.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+      --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_sweep.py "$out/wgrad_once.json" --once
     ;;
 esac
 exit $failed

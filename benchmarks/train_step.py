@@ -893,7 +893,8 @@ def markdown(data: dict) -> str:
         for row in profiled:
             p = row["profile"]
             if not p["table"]:
-                lines += ["", f"### {row['impl']}, {row['routing']} M={row['rows']}: the trace holds no GPU kernels"]
+                lines += ["", f"### {row['impl']}, {row['weights']} {row['routing']} M={row['rows']}: the trace holds no "
+                          "GPU kernels"]
                 continue
             lines += ["", f"### {row['impl']}, {row['weights']} {row['routing']} M={row['rows']}", "",
                       f"wall {row['ms'] * 1e3:.0f} us; kernels: span {p['span_us']:.0f} us, busy {p['busy_us']:.0f} us, "

@@ -154,6 +154,7 @@ else
     rc=$?
     echo "throughput above: measured beside the GPU check's tests, not a benchmark" >> "$out/demo.txt"
     echo "demo rc=$rc" >> "$out/demo.txt"
+    exit "$rc"
   ) &
   demo_pid=$!
 fi
@@ -161,12 +162,10 @@ fi
 finish_demo() {
   [[ -n "$demo_pid" ]] || return 0
   wait "$demo_pid"
-  demo_pid=
-  local rc
-  rc="$(sed -n 's/^demo rc=//p' "$out/demo.txt" | tail -1)"
-  echo "== moe-jax demo: rc ${rc:-unknown}"
+  local rc=$?
+  echo "== moe-jax demo: rc $rc"
   tail -12 "$out/demo.txt"
-  record_args+=(--demo-rc "${rc:-1}")
+  record_args+=(--demo-rc "$rc")
 }
 
 # --- pytest passes -------------------------------------------------------------------------
@@ -273,6 +272,5 @@ else
 fi
 
 # --- record ------------------------------------------------------------------------------
-finish_demo
 "$PY" tools/gpu_check_record.py "$out" --commit "$commit" --dirty "$dirty" --command "$command" \
   --seconds "$(( $(date +%s) - start ))" "${record_args[@]}"

@@ -119,14 +119,14 @@ def compile_kernel(spec: Spec, capability: int = 90):
     """``triton.compile`` of the kernel for ``capability`` (no GPU needed)."""
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    from pallas_kernels.crosscompile import _triton_compile  # noqa: PLC0415
+    from pallas_kernels.crosscompile import triton_compile  # noqa: PLC0415
 
     constexprs = spec.constexprs()
     signature = {**_POINTERS, **{name: "constexpr" for name in constexprs}}
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(_kernel.arg_names) if arg in _POINTERS}
     source = ASTSource(fn=_kernel, signature=signature, attrs=aligned,
                        constexprs={(_kernel.arg_names.index(a),): v for a, v in constexprs.items()})
-    return _triton_compile(source, capability, {"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    return triton_compile(source, capability, {"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 
 _call_p = Primitive("moe_jax_tma_weight_grad_probe")

@@ -139,7 +139,7 @@ def compile_ttir(module: TritonModule, capability: int, *, with_sass: bool = Fal
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{module.name}.ttir")
         pathlib.Path(path).write_text(_run_ttir_passes(module.ttir, capability, tmp))
-        kernel = _triton_compile(path, capability, {"num_warps": module.num_warps, "num_stages": module.num_stages})
+        kernel = triton_compile(path, capability, {"num_warps": module.num_warps, "num_stages": module.num_stages})
     return _compiled(kernel, module.name, capability, with_sass)
 
 
@@ -156,7 +156,7 @@ def compile_jit(fn, *, signature: dict[str, str], constexprs: dict, capability: 
                if signature.get(arg, "").startswith("*")}
     source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(arg),): value for arg, value in constexprs.items()})
-    kernel = _triton_compile(source, capability, {"num_warps": num_warps, "num_stages": num_stages})
+    kernel = triton_compile(source, capability, {"num_warps": num_warps, "num_stages": num_stages})
     return _compiled(kernel, name, capability, with_sass)
 
 
@@ -165,7 +165,7 @@ def _process_cache() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="moe-jax-triton-cache-")
 
 
-def _triton_compile(source, capability: int, options: dict):
+def triton_compile(source, capability: int, options: dict):
     """``triton.compile(source)`` for ``capability``. Importing jax_triton sets
     ``TRITON_CACHE_DIR`` to "" in the process (it keeps its compiled kernels itself), after which
     ``triton.compile`` finds no cache directory and raises: then the kernel is compiled into a

@@ -2,7 +2,7 @@
 experts), 8192 and 32768 rows; wall time per synchronized call, median of 10 after 2 warm-ups.
 
     python3 benchmarks/weight_grad_sweep.py OUT.json                    # the Pallas kernel
-    python3 benchmarks/weight_grad_sweep.py OUT.json --kernel native    # the persistent native one
+    python3 benchmarks/weight_grad_sweep.py OUT.json --kernel native    # the native one (rows by TMA)
     ncu ... python3 benchmarks/weight_grad_sweep.py OUT.json --once     # for Nsight Compute, below
 
 ``--once``: no sweep; at 32768 rows, for each projection the Pallas kernel and the native one on
@@ -12,9 +12,10 @@ second launch of each in an ``ncu`` report is the one to read.
 
 The Pallas pair in ``pallas_kernels.grouped_matmul.tuning.WEIGHT_GRAD_TILES[90]`` was picked from
 its output (benchmarks/results/train_step_h200/weight_grad_sweep.json); the native kernel's
-(``NATIVE_WEIGHT_GRAD_TILES``) are the Pallas tiles with ``triton_weight_grad.PLAN_STAGES`` more
-stages, not yet measured. Each candidate's output is checked against the Pallas table tile's
-first (relative Frobenius error < 1e-2); one that differs gets no time.
+(``NATIVE_WEIGHT_GRAD_TILES``, rows loaded by TMA) are sized to the shared memory, its candidates
+below with and without the warp-specialized row loop; ``torch._grouped_mm`` is timed beside them.
+Each candidate's output is checked against the Pallas table tile's first (relative Frobenius
+error < 1e-2); one that differs gets no time.
 """
 import argparse
 import json
@@ -33,9 +34,11 @@ E, H, F = 48, 7168, 2048
 PALLAS_CONFIGS = [(64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
                   (128, 256, 128, 8, 2), (64, 128, 128, 4, 4), (128, 128, 64, 8, 4), (32, 128, 128, 4, 4),
                   (128, 128, 128, 8, 4), (64, 256, 64, 8, 4)]
-# (block_m, block_n, block_k, num_warps, num_stages): the rows two steps ahead need 5 stages.
-NATIVE_CONFIGS = [(64, 128, 256, 8, 5), (64, 128, 256, 8, 4), (32, 128, 256, 8, 6), (64, 256, 128, 8, 5),
-                  (64, 128, 128, 8, 5), (32, 128, 128, 4, 6), (128, 128, 128, 8, 5), (64, 128, 128, 4, 6)]
+# (block_m, block_n, block_k, num_warps, num_stages, warp-specialized): a stage holds 64 rows of
+# dy and x (48 KB at 128 + 256 columns); warp-specialized, num_warps are the consumers.
+NATIVE_CONFIGS = [(64, 128, 256, 8, 4, False), (64, 128, 256, 8, 3, False), (32, 128, 256, 8, 6, False),
+                  (64, 128, 256, 4, 4, True), (64, 128, 256, 4, 3, True), (64, 128, 128, 8, 5, False),
+                  (64, 256, 128, 8, 4, False), (64, 128, 128, 4, 5, True)]
 
 
 def main() -> None:
@@ -57,6 +60,20 @@ def main() -> None:
             tuning.WEIGHT_GRAD_TILES[90] = table  # the reference: the Pallas table tile
             jax.clear_caches()
             ref = grouped_matmul_weight_grad(x, dy, gs, compute_capability=90, out_dtype=jnp.float32)
+            peers = {}
+            if args.kernel == "native":  # the same run's bars: the Pallas table tile and torch
+                import torch  # noqa: PLC0415
+
+                tx, tdy = torch.from_dlpack(x), torch.from_dlpack(dy)
+                offs = torch.as_tensor(np.cumsum(np.asarray(gs)).astype(np.int32), device="cuda")
+                peers = {"pallas table": lambda: grouped_matmul_weight_grad(  # noqa: E731
+                             x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16).block_until_ready(),  # noqa: B023
+                         "torch": lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs),  # noqa: B023
+                                           torch.cuda.synchronize())}
+            for name, f in peers.items():
+                ms = _median_ms(f)
+                rows.append(dict(m=m, proj=proj, kernel=name, ms=ms, tflops=2 * m * n * k / ms / 1e9))
+                print(m, proj, name, f"{ms:.3f} ms {2 * m * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
             for c in PALLAS_CONFIGS if args.kernel == "pallas" else NATIVE_CONFIGS:
                 cfg = TileConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3], num_stages=c[4], group_t=1)
                 if args.kernel == "pallas":
@@ -68,20 +85,15 @@ def main() -> None:
                                                            out_dtype=jnp.bfloat16)
                 else:
                     f = lambda: triton_weight_grad.weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023, E731
-                                                               out_dtype=jnp.bfloat16, tile=cfg)  # noqa: B023
+                                                               out_dtype=jnp.bfloat16, tile=cfg,  # noqa: B023
+                                                               warp_specialize=c[5])  # noqa: B023
                 try:
                     got = f()
                     err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
                     del got
                     if not err < 1e-2:
                         raise AssertionError(f"relative error {err:.3g} against the Pallas table tile")
-                    f().block_until_ready()
-                    ts = []
-                    for _ in range(10):
-                        t0 = time.perf_counter()
-                        f().block_until_ready()
-                        ts.append(time.perf_counter() - t0)
-                    ms = float(np.median(ts)) * 1e3
+                    ms = _median_ms(lambda: f().block_until_ready())  # noqa: B023
                     tf = 2 * m * n * k / ms / 1e9
                     rows.append(dict(m=m, proj=proj, kernel=args.kernel, cfg=c, ms=ms, tflops=tf, err=err))
                     print(m, proj, args.kernel, c, f"{ms:.3f} ms {tf:.0f} TFLOP/s err {err:.1e}", flush=True)
@@ -91,6 +103,17 @@ def main() -> None:
             del ref
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def _median_ms(f) -> float:
+    """Median wall time of 10 synchronized calls after one more."""
+    f()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
 
 
 def once(out: str) -> None:

@@ -46,7 +46,7 @@ import triton.language as tl
 from pallas_kernels.grouped_matmul import (
     PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
 )
-from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul import triton_launch, tuning
 from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
@@ -1064,7 +1064,7 @@ def launch_input_grad(spec: InputGradSpec, group_sizes_e, dy_mn, packed, scales_
             *operands, kernel=_input_grad_kernel, out_shape=jax.ShapeDtypeStruct((spec.num_rows, spec.k), jnp.bfloat16),
             grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
             input_output_aliases={len(operands) - 1: 0} if aliased else None, **spec.constexprs())
-    return _same_varying_axes([dx], operands)[0]
+    return triton_launch.same_varying_axes([dx], operands)[0]
 
 
 def input_grad_signature(spec: InputGradSpec) -> dict[str, str]:
@@ -1072,16 +1072,6 @@ def input_grad_signature(spec: InputGradSpec) -> dict[str, str]:
     types = ["*i32", "*i32", "*i32", "*bf16", "*u8", "*u8", "*fp32", "*bf16", "*bf16"]
     return {**dict(zip(_input_grad_kernel.arg_names, types, strict=False)),
             **{name: "constexpr" for name in spec.constexprs()}}
-
-
-def _same_varying_axes(outputs, operands):
-    """Types the kernel's outputs as varying over every ``shard_map`` axis its operands vary over.
-
-    ``jax_triton``'s primitive has no rule for this (its abstract value drops the axes), so under
-    ``shard_map(check_vma=True)`` its output would claim to be the same on every device.
-    """
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
-    return [jax.lax.pcast(o, tuple(sorted(varying)), to="varying") if varying else o for o in outputs]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -1123,7 +1113,7 @@ def launch(spec: NativeSpec, group_sizes_e, x, x_scales, x_global, row_token, pa
             grid=(spec.num_programs,), num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages, name=name,
             input_output_aliases={len(operands) - 1: 0} if aliased else None, **spec.constexprs(),
         )
-    return _same_varying_axes([y], operands)[0]
+    return triton_launch.same_varying_axes([y], operands)[0]
 
 
 def kernel_function():
@@ -1145,21 +1135,15 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-def _not_interpreted(interpret: bool) -> None:
-    if interpret:
-        raise ValueError("interpret: True, expected False (the Triton-language kernels have no interpret mode under "
-                         "JAX; Triton's own interpreter runs them in tests/interpreter)")
-
-
 def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16)
 
 
 def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
     """:func:`input_grad`, or through one bf16 copy of the weights where
     :func:`tuning.dequantize_for_input_grad` says so (many rows per expert)."""
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     if dequantized_copy_pays(dy_mn, w, group_sizes_e):
         return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
     return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
@@ -1171,7 +1155,7 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
     reads its rows from ``x`` by ``row_token_m`` if given (:func:`run`), and writes its output's
     columns in the order the down kernel reads them (:func:`permute_k`, ``out_k_order``), which
     saves a pass over the intermediate activations between them."""
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, _check_group_sizes(group_sizes_e))
     num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
     order = k_order(Op.MATMUL, num_rows=num_rows, num_experts=group_sizes_e.shape[0], k=f, n_out=h,
@@ -1203,7 +1187,7 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
                              interpret: bool, row_token_m=None) -> jax.Array:
     """The native bf16 tiles at prefill sizes, their gate/up kernel reading rows by index if
     ``row_token_m`` is given; decode sizes through the Pallas kernels (rows gathered first)."""
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
     if not _prefill(num_rows, group_sizes_e, compute_capability):
         return PALLAS.forward(token_rows(x_mh, row_token_m), group_sizes_e, w_gate_up, w_down,
@@ -1214,7 +1198,7 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
 
 
 def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     if not _prefill(x_mk.shape[0], group_sizes_e, compute_capability):
         return PALLAS.matmul(x_mk, w, group_sizes_e, compute_capability=compute_capability, interpret=False)
     return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability)
@@ -1226,7 +1210,7 @@ def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     to E4M3 (of the tokens, read by index if ``row_token_m`` is given), then the down kernel on
     its bf16 SwiGLU output quantized the same way; decode sizes W4A16
     (:func:`_w4a16_expert_mlp_forward`)."""
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
     if not _prefill(num_rows, group_sizes_e, compute_capability):
         return _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
@@ -1237,7 +1221,7 @@ def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
 
 
 def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
-    _not_interpreted(interpret)
+    triton_launch.not_interpreted(interpret)
     mode = Mode.W4A8 if _prefill(x_mk.shape[0], group_sizes_e, compute_capability) else Mode.W4A16
     return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=mode)
 

@@ -184,17 +184,18 @@ WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
     100: (prefill_tile(32, 128, 128, 4, 4, group_t=1), prefill_tile(64, 128, 256, 8, 3, group_t=1)),
     120: (prefill_tile(32, 64, 128, 4, 3, group_t=1), prefill_tile(32, 64, 128, 4, 3, group_t=1)),
 }
-# The same for the persistent Triton-language kernel (``triton_weight_grad``): the Pallas tiles with
-# two more pipeline stages (its plan's loads take a stage, and the row loads that depend on them
-# the next: ``triton_weight_grad.PLAN_STAGES``), and 8 warps for SM100's smaller tile, whose
-# float32 epilogue spilled at 4. Not measured yet; cross-compiled for each capability in CI.
+# The same for the Triton-language kernel whose rows arrive by TMA (``triton_weight_grad``, SM90
+# and above): its pipeline keeps ``num_stages`` row buffers (48 KB a stage at 64 x (128 + 256)),
+# so the SM90/SM100 many-rows tile has 4 stages (196 KB); SM120's fits its 99 KB. Not measured
+# yet; cross-compiled for each capability in CI.
 NATIVE_WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
-    80: (prefill_tile(32, 128, 128, 4, 6, group_t=1), prefill_tile(64, 128, 128, 8, 5, group_t=1)),
-    89: (prefill_tile(32, 64, 128, 4, 5, group_t=1), prefill_tile(32, 64, 128, 4, 5, group_t=1)),
-    90: (prefill_tile(32, 128, 128, 4, 6, group_t=1), prefill_tile(64, 128, 256, 8, 5, group_t=1)),
-    100: (prefill_tile(32, 128, 128, 8, 6, group_t=1), prefill_tile(64, 128, 256, 8, 5, group_t=1)),
-    120: (prefill_tile(32, 64, 128, 4, 5, group_t=1), prefill_tile(32, 64, 128, 4, 5, group_t=1)),
+    90: (prefill_tile(64, 128, 128, 8, 5, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
+    100: (prefill_tile(64, 128, 128, 8, 5, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
+    120: (prefill_tile(32, 64, 128, 4, 4, group_t=1), prefill_tile(32, 64, 128, 4, 4, group_t=1)),
 }
+#: Capabilities whose table tiles run the row loop warp-specialized (Triton adds a producer warp
+#: group that issues the TMA copies; the tile's ``num_warps`` are then its consumers, 4 per warp group).
+NATIVE_WEIGHT_GRAD_WARP_SPECIALIZE: dict[int, bool] = {90: False, 100: False, 120: False}
 #: Rows per expert (on average) from which the weight gradient takes the second tile of its pair.
 WEIGHT_GRAD_MANY_ROWS = 512
 

@@ -1,11 +1,12 @@
 """The native (Triton-language) bf16 weight gradient ``dW_e = dy_e^T x_e``
-(``triton_weight_grad._kernel``: persistent, one flat loop of row steps over a program's tiles),
-executed in Triton's interpreter on CPU against float64.
+(``triton_weight_grad._kernel``: persistent programs over output tiles, the rows of each loaded
+through tensor descriptors bounded at its expert's last row), executed in Triton's interpreter on
+CPU against float64.
 
-As the GPU gets it: ``make_spec``'s tile or the one under test, the plan ``plan`` computes,
-every load and store bounds-checked. The output is NaN-poisoned, so
-an element the kernel does not write fails; the padding rows past ``sum(group_sizes)`` hold NaN
-in both ``x`` and ``dy``, so a row step that reads one fails too.
+As the GPU gets it: ``make_spec``'s tile or the one under test, the experts' row bounds
+``group_bounds`` computes, every load (the descriptors' too) and store bounds-checked. The output
+is NaN-poisoned, so an element the kernel does not write fails; the padding rows past
+``sum(group_sizes)`` hold NaN in both ``x`` and ``dy``, so a row step that reads one fails too.
 
 Run by ``./run test`` with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``).
 """
@@ -27,9 +28,11 @@ SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3
 
 
 def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL, num_programs=None,
-                experts=None, padding: int = 5, seed: int = 0) -> float:
+                experts=None, padding: int = 5, seed: int = 0, bad_row: int | None = None) -> float:
     """Runs the kernel on random bf16 rows (the used experts are the last ones when ``experts``
-    is larger); asserts and returns its relative error against float64."""
+    is larger); asserts and returns its relative error against float64. ``bad_row``: that row
+    of ``x`` holds an infinity in column 1, which must reach its own expert's gradient exactly
+    where float64 puts it and no other's."""
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int32)
     experts = experts or len(group_sizes)
@@ -40,13 +43,14 @@ def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL
     dy = rng.standard_normal((m, n)).astype(ml_dtypes.bfloat16)
     x[total:] = np.nan
     dy[total:] = np.nan
+    if bad_row is not None:
+        x[bad_row, 1] = np.inf
     spec = triton_weight_grad.make_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC,
                                         out_dtype=out_dtype, tile=tile, num_programs=num_programs)
-    starts, ends = pallas_triton.group_bounds(jnp.asarray(group_sizes), num_rows=m)
-    plan = [np.asarray(a, np.int32) for a in triton_weight_grad.plan(spec, starts, ends)]
+    bounds = [np.asarray(a, np.int32) for a in pallas_triton.group_bounds(jnp.asarray(group_sizes), num_rows=m)]
     interpreted.reset()
     out = np.full((experts, n, k), np.nan, out_dtype)
-    buffers = [interpreted.buffer(a, name) for a, name in zip(plan, ("tile", "row", "end", "steps"), strict=True)]
+    buffers = [interpreted.buffer(a, name) for a, name in zip(bounds, ("starts", "ends"), strict=True)]
     buffers += [interpreted.buffer(x, "x"), interpreted.buffer(dy, "dy"),
                interpreted.buffer(np.zeros(1, out_dtype), "out_in (unread)")]
     got = interpreted.launch(triton_weight_grad.kernel_function(), spec.num_programs, buffers, out,
@@ -54,6 +58,11 @@ def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL
     bounds = np.concatenate([[0], np.cumsum(group_sizes)])
     want = np.stack([dy[bounds[e]:bounds[e + 1]].astype(np.float64).T @ x[bounds[e]:bounds[e + 1]].astype(np.float64)
                      for e in range(experts)])
+    bad_expert = None if bad_row is None else int(np.searchsorted(bounds, bad_row, side="right")) - 1
+    if bad_expert is not None:
+        assert np.array_equal(np.isfinite(got[bad_expert]), np.isfinite(want[bad_expert])), \
+            "the bad row's expert: infinities not where float64 has them"
+        got[bad_expert] = want[bad_expert] = 0.0
     assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs not written or read padding"
     empty = group_sizes == 0
     assert (got[empty] == 0).all(), "an expert without rows has a nonzero gradient"
@@ -69,6 +78,14 @@ def test_every_row_count(out_dtype):
     than a program's share, over fewer programs than tiles: a program's loop crosses tile and
     expert boundaries mid-flight."""
     weight_grad([0, 1, 31, 32, 0, 65, 200, 7], n=64, k=128, out_dtype=out_dtype, num_programs=5)
+
+
+def test_a_non_finite_row_reaches_its_own_expert_only():
+    """An infinity in a row within the reach of the previous expert's last row step (rows 32-63
+    of 40, then 33 rows from 40), and in the row right after an expert of one row: the
+    descriptors are bounded at each expert's last row, so neither step reads it."""
+    weight_grad([40, 33, 1, 70], n=32, k=64, bad_row=45, num_programs=3)
+    weight_grad([40, 33, 1, 70], n=32, k=64, bad_row=74, num_programs=3, seed=1)
 
 
 def test_more_programs_than_tiles():

@@ -264,3 +264,42 @@ def test_kimi_size_weight_grad_top_experts_match_float64_reference(rng, record_p
         if not rel < TOLERANCE:
             problems.append(f"experts {lo}..{hi - 1}: relative Frobenius error {rel:.3g} >= {TOLERANCE}")
     assert not problems, f"{kernel.__name__} at Kimi K2 size (SM{cc}):\n" + "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [grouped_matmul_weight_grad, _native_weight_grad], ids=["pallas", "triton"])
+def test_kimi_size_weight_grad_a_non_finite_row_reaches_its_own_expert_only(rng, kernel):
+    """384 experts of 0 to ~40 rows (one of 1 row, the last of 65), an infinity in the row right
+    after the one-row expert and in expert 383's first row: each reaches its own expert's
+    gradient where float64 has it (column 1) and no other expert's, though the row steps of the
+    experts before them end past them (the native kernel's TMA loads are bounded at each expert's
+    last row). Every other expert against float64; the padding rows hold NaN."""
+    cc = _capability()
+    n, k = 256, 512
+    sizes = rng.multinomial(8192, np.full(E, 1 / E)).astype(np.int32) // 6
+    sizes[199], sizes[200], sizes[201], sizes[382], sizes[E - 1] = 0, 1, 3, 1, 65
+    m = int(sizes.sum()) + 100
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    x = np.asarray(jax.random.normal(jax.random.fold_in(key, 0), (m, k), jnp.bfloat16)).astype(np.float32)
+    dy = np.asarray(jax.random.normal(jax.random.fold_in(key, 1), (m, n), jnp.bfloat16)).astype(np.float32)
+    x[starts[-1]:], dy[starts[-1]:] = np.nan, np.nan
+    bad = {201: int(starts[201]), E - 1: int(starts[E - 1])}  # expert -> its row holding the infinity
+    for row in bad.values():
+        x[row, 1] = np.inf
+    dw = kernel(jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16), jnp.asarray(sizes),
+                compute_capability=cc, out_dtype=jnp.float32)
+    got = np.asarray(dw, np.float64)
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    problems = []
+    for e in range(E):
+        ref = dy[starts[e]:starts[e + 1]].T @ x[starts[e]:starts[e + 1]]
+        if e in bad or sizes[e] == 0:
+            if not np.array_equal(np.isfinite(got[e]), np.isfinite(ref)):
+                problems.append(f"expert {e}: non-finite elements where float64 has none, or the reverse")
+            continue
+        if not np.isfinite(got[e]).all():
+            problems.append(f"expert {e}: {np.count_nonzero(~np.isfinite(got[e]))} non-finite elements")
+        elif not np.max(np.abs(got[e] - ref)) <= 1e-3 * max(1.0, np.max(np.abs(ref))):
+            problems.append(f"expert {e}: max error {np.max(np.abs(got[e] - ref)):.3g}")
+    assert not problems, f"{kernel.__name__} (SM{cc}):\n" + "\n".join(problems[:20])

@@ -52,7 +52,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     table = tuning.WEIGHT_GRAD_TILES[90]
     rows = []
-    for m in (8192, 32768):
+    for m in (32768, 8192):  # the training shape first
         gs = jnp.asarray(rng.multinomial(m, np.full(E, 1 / E)), jnp.int32)
         for proj, (k, n) in {"gate_up": (H, 2 * F), "down": (F, H)}.items():
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)

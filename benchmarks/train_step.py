@@ -291,13 +291,13 @@ def native_gemm(op: str, cc: int):
 
 
 def native_weight_grad(cc: int):
-    """The persistent native (Triton-language) bf16 weight gradient, bf16 out as the step writes it."""
+    """The native (Triton-language, rows by TMA) bf16 weight gradient, bf16 out as the step writes it."""
     from pallas_kernels.grouped_matmul import triton_weight_grad  # noqa: PLC0415
 
     return lambda a, b, g: triton_weight_grad.weight_grad(a, b, g, compute_capability=cc, out_dtype=jnp.bfloat16)
 
 
-#: Steps whose weight gradients run the persistent native kernel (``triton_weight_grad``), which
+#: Steps whose weight gradients run the native kernel (``triton_weight_grad``, rows by TMA), which
 #: no backend dispatches to until it is measured faster: the step's impl and the backend whose
 #: other kernels it keeps.
 NATIVE_DW_STEPS = {"pallas, native dW": "PALLAS", "triton, native dW": "BF16_BACKEND"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,3 +102,35 @@ def test_bad_input_gets_one_line_naming_the_argument():
         args = dict(x_mk=x, dy_mn=dy, group_sizes_e=sizes, compute_capability=90) | change
         with pytest.raises(ValueError, match=message):
             triton_weight_grad.weight_grad(**args)
+
+
+def test_the_warp_specialized_row_loop_compiles_for_sm90():
+    """The sweep's warp-specialized candidates (``warp_specialize=True``, 4 warps written): Triton
+    adds a producer warp group, so the kernel runs 12 warps, which ``triton_launch`` reads back
+    from the compiled kernel (jax-triton would launch 4); the consumers' registers raised
+    (``setmaxnreg``), the TMA copies issued by the producer alone."""
+    tile = TileConfig(block_m=64, block_n=128, block_k=256, num_warps=4, num_stages=3, group_t=1)
+    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
+                                        out_dtype="bfloat16", tile=tile, warp_specialize=True)
+    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
+
+    compiled = triton_launch.compile_launch(spec.launch())
+    assert compiled.metadata.num_warps == 12
+    assert "setmaxnreg.inc" in compiled.asm["ptx"] and "setmaxnreg.dec" in compiled.asm["ptx"]
+    assert 0 < compiled.metadata.shared <= SHARED_MEMORY_BYTES[90]
+    assert triton_launch.scratch_bytes(spec.launch()) == compiled.metadata.global_scratch_size * spec.num_programs
+
+
+def test_the_launch_passes_a_global_scratch_and_checks_its_operands():
+    """The table kernel keeps its two descriptors in Triton's global scratch (128 bytes each, per
+    program), which ``triton_launch.call`` allocates (jax-triton passes a null pointer there);
+    a launch given the wrong number of operands says so."""
+    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
+
+    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
+                                        out_dtype="bfloat16", num_programs=132)
+    assert triton_launch.compile_launch(spec.launch()).metadata.global_scratch_size == 256
+    assert triton_launch.scratch_bytes(spec.launch()) == 256 * 132
+    x = jnp.ones((8, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"^operands: 2, expected 4 \(the kernel's pointer arguments before its output\)$"):
+        triton_launch.call(spec.launch(), x, x, out_shape=jax.ShapeDtypeStruct((1, 1), jnp.bfloat16))

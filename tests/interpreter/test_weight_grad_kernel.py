@@ -28,7 +28,8 @@ SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3
 
 
 def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL, num_programs=None,
-                experts=None, padding: int = 5, seed: int = 0, bad_row: int | None = None) -> float:
+                experts=None, padding: int = 5, seed: int = 0, bad_row: int | None = None,
+                warp_specialize: bool = False) -> float:
     """Runs the kernel on random bf16 rows (the used experts are the last ones when ``experts``
     is larger); asserts and returns its relative error against float64. ``bad_row``: that row
     of ``x`` holds an infinity in column 1, which must reach its own expert's gradient exactly
@@ -46,7 +47,8 @@ def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL
     if bad_row is not None:
         x[bad_row, 1] = np.inf
     spec = triton_weight_grad.make_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC,
-                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs)
+                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs,
+                                        warp_specialize=warp_specialize)
     bounds = [np.asarray(a, np.int32) for a in pallas_triton.group_bounds(jnp.asarray(group_sizes), num_rows=m)]
     interpreted.reset()
     out = np.full((experts, n, k), np.nan, out_dtype)
@@ -108,3 +110,9 @@ def test_the_sm90_table_tile():
                                         out_dtype=np.float32).config
     assert (tile.block_m, tile.block_n, tile.block_k) == (64, 128, 256)
     weight_grad([70, 130], n=128, k=256, tile=tile, num_programs=1, seed=5)
+
+
+def test_the_warp_specialized_row_loop():
+    """The sweep's warp-specialized candidate's source (the interpreter runs the loop as
+    written; the GPU's 12-warp split is cross-compiled in tests/pallas_kernels)."""
+    weight_grad([0, 1, 31, 32, 65, 7], n=64, k=128, num_programs=4, warp_specialize=True, seed=7)

@@ -148,16 +148,23 @@ def compile_jit(fn, *, signature: dict[str, str], constexprs: dict, capability: 
     """Compiles a ``@triton.jit`` function for ``capability`` (Triton-language kernels, the way
     ``jax_triton`` compiles them, minus the launch): ``signature`` maps each argument to its
     Triton type (``"*u8"``, ``"constexpr"``), ``constexprs`` the constexpr arguments to values."""
+    kernel = triton_compile(jit_source(fn, signature=signature, constexprs=constexprs), capability,
+                            {"num_warps": num_warps, "num_stages": num_stages})
+    return _compiled(kernel, name, capability, with_sass)
+
+
+def jit_source(fn, *, signature: dict[str, str], constexprs: dict):
+    """The ``triton.compile`` source of a ``@triton.jit`` function: ``signature`` maps each
+    argument to its Triton type (``"*u8"``, ``"constexpr"``), ``constexprs`` the constexpr
+    arguments to values; every pointer declared 16-byte aligned."""
     from triton.compiler import ASTSource  # noqa: PLC0415 (optional dependency)
 
     # jax_triton declares every array argument 16-byte aligned (XLA's buffers are), which decides
     # the loads' vector widths: without it the kernel compiled here is not the one that runs.
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
                if signature.get(arg, "").startswith("*")}
-    source = ASTSource(fn=fn, signature=signature, attrs=aligned,
-                       constexprs={(fn.arg_names.index(arg),): value for arg, value in constexprs.items()})
-    kernel = triton_compile(source, capability, {"num_warps": num_warps, "num_stages": num_stages})
-    return _compiled(kernel, name, capability, with_sass)
+    return ASTSource(fn=fn, signature=signature, attrs=aligned,
+                     constexprs={(fn.arg_names.index(arg),): value for arg, value in constexprs.items()})
 
 
 @functools.cache

@@ -52,8 +52,9 @@ class Launch:
 
     ``signature``: the kernel's pointer arguments in order, as ``(name, triton type)``: the
     operands, then the output twice (the buffer passed in, which the kernel never reads, and the
-    one it writes: the same memory when the caller passes ``out``); ``constexprs``: ``(name, value)`` pairs; ``num_warps`` as written
-    (the launch reads the compiled count); ``grid``: programs in one dimension.
+    one it writes: the same memory when the caller passes ``out``); ``constexprs``: ``(name,
+    value)`` pairs; ``num_warps`` as written (the launch reads the compiled count); ``grid``:
+    programs in one dimension.
     """
 
     kernel: object  # a triton.JITFunction
@@ -68,19 +69,14 @@ class Launch:
 
 @functools.cache
 def compile_launch(launch: Launch):
-    """``triton.compile`` of the launch's kernel for its capability (no GPU needed). Every pointer
-    is declared 16-byte aligned, as jax-triton declares XLA's buffers."""
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    """``triton.compile`` of the launch's kernel for its capability (no GPU needed), every pointer
+    declared 16-byte aligned as jax-triton declares XLA's buffers."""
+    from pallas_kernels.crosscompile import jit_source, triton_compile  # noqa: PLC0415
 
-    from pallas_kernels.crosscompile import triton_compile  # noqa: PLC0415
-
-    fn, constexprs = launch.kernel, dict(launch.constexprs)
+    constexprs = dict(launch.constexprs)
     signature = {**dict(launch.signature), **{name: "constexpr" for name in constexprs}}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in dict(launch.signature)}
-    source = ASTSource(fn=fn, signature=signature, attrs=aligned,
-                       constexprs={(fn.arg_names.index(a),): v for a, v in constexprs.items()})
-    return triton_compile(source, launch.capability, {"num_warps": launch.num_warps,
-                                                      "num_stages": launch.num_stages})
+    return triton_compile(jit_source(launch.kernel, signature=signature, constexprs=constexprs), launch.capability,
+                          {"num_warps": launch.num_warps, "num_stages": launch.num_stages})
 
 
 def scratch_bytes(launch: Launch) -> int:

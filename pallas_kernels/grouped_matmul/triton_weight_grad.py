@@ -4,7 +4,7 @@ TMA, launched through :func:`.triton_launch.call`: the native twin of the Pallas
 
 Why TMA. At the training shape (48 experts x 32768 rows, ~683 rows per expert) the Pallas kernel
 and a persistent pointer-loading twin reached 495-512 TFLOP/s against ``torch._grouped_mm``'s
-570-594 (``benchmarks/results/train_step_h100/2f15176/``), and the twin showed that per-tile
+570-588 (``benchmarks/results/train_step_h100/2f15176/``), and the twin showed that per-tile
 fixed costs (pipeline fill, epilogue) were not the gap: the steady-state loop was, where every
 thread computes and masks its ``cp.async`` addresses and a CTA barrier ends each row step. Here
 each output tile makes two device-side tensor descriptors bounded at its expert's last row, so
@@ -101,7 +101,7 @@ class Spec(pallas_triton.WeightGradSpec):
 
     def launch(self) -> triton_launch.Launch:
         """What :func:`.triton_launch.call` compiles and launches."""
-        return triton_launch.Launch(kernel=_kernel, signature=tuple(signature(self).items())[:6],
+        return triton_launch.Launch(kernel=_kernel, signature=tuple(_pointer_types(self).items()),
                                     constexprs=tuple(self.constexprs().items()), num_warps=self.config.num_warps,
                                     num_stages=self.config.num_stages, grid=self.num_programs,
                                     capability=self.capability, name=self.name)
@@ -189,11 +189,15 @@ def kernel_function():
     return _kernel
 
 
+def _pointer_types(spec: Spec) -> dict[str, str]:
+    """The kernel's pointer arguments and their Triton types, in order."""
+    out = "*bf16" if spec.out_dtype == np.dtype(jnp.bfloat16) else "*fp32"
+    return dict(zip(_kernel.arg_names, ["*i32", "*i32", "*bf16", "*bf16", out, out], strict=False))
+
+
 def signature(spec: Spec) -> dict[str, str]:
     """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
-    out = "*bf16" if spec.out_dtype == np.dtype(jnp.bfloat16) else "*fp32"
-    types = ["*i32", "*i32", "*bf16", "*bf16", out, out]
-    return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in spec.constexprs()}}
+    return {**_pointer_types(spec), **{name: "constexpr" for name in spec.constexprs()}}
 
 
 __all__ = ["DEFAULT_PROGRAMS", "Spec", "kernel_function", "launch", "make_spec", "signature", "sm_count",

@@ -21,10 +21,10 @@
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
-#   wgrad     the native weight gradient (rows by TMA, not dispatched) on the GPU: its Kimi-size
-#             tests against float64, its tile sweep beside the Pallas table tile and torch's
-#             _grouped_mm at 32768 and 8192 rows (with and without the warp-specialized row loop),
-#             then Nsight Compute of the three at 32768 rows, both projections (~450 s)
+#   wgrad     the native weight gradient (rows by TMA, descriptors per expert, not dispatched) on
+#             the GPU: its Kimi-size tests against float64, its tile sweep beside the Pallas table
+#             tile and torch's _grouped_mm at 32768 and 8192 rows, Nsight Compute of the three
+#             (DRAM reads, tensor pipe), then Triton's warp-specialized row loop (~450 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
@@ -99,11 +99,13 @@ case "$call" in
   wgrad)
     step wgrad_tests 150 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kimi_size_gpu.py -k weight_grad
     step wgrad_sweep 200 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
-    # each kernel launched twice (the first call compiles): read the second of each
-    step ncu_wgrad 230 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|^_kernel|cutlass|gemm|Gemm|sm90" \
-      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
-      --metrics lts__t_bytes.sum.per_second,lts__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+    # each kernel launched twice (the first call compiles): read the second of each. Few metrics:
+    # with the stall sections 230 s did not reach torch's kernel
+    step ncu_wgrad 200 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|^_kernel|cutlass|gemm|Gemm|sm90" \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
       --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_sweep.py "$out/wgrad_once.json" --once
+    # last: a warp-specialized launch that fails takes the CUDA context with it
+    step wgrad_ws 60 python benchmarks/weight_grad_ws_probe.py "$out/ws.json"
     ;;
 esac
 exit $failed

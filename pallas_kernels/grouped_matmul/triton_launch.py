@@ -6,9 +6,10 @@ Most kernels go through ``jax_triton.triton_call``. It cannot launch two kinds, 
 * kernels that make TMA descriptors on the device (``tl.make_tensor_descriptor``): Triton keeps
   them in a global scratch buffer whose pointer the launcher passes, and jax-triton 0.3.1 passes
   none (jaxlib fills that slot with a null pointer);
-* kernels Triton warp-specializes (``tl.range(warp_specialize=True)``): they run with the warps
-  the compiler made (a producer warp group beside the consumers), which jax-triton does not read
-  back; it launches the warps the call names.
+* kernels whose compiled warp count differs from the one the call names (Triton's
+  ``tl.range(warp_specialize=True)`` adds a producer warp group): jax-triton launches the warps
+  the call names, :func:`call` the compiled kernel's. (No kernel here is warp-specialized: the
+  weight gradient's was wrong under Triton 3.6, ``triton_weight_grad``.)
 
 :func:`call` compiles with ``triton.compile`` for the capability the caller names (so the same
 kernel cross-compiles on a CPU, :mod:`pallas_kernels.crosscompile`), allocates the scratch as a

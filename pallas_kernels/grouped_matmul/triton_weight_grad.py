@@ -12,12 +12,21 @@ TMA reads zeros past it: no mask, no address arithmetic per element, and no row 
 expert is read (a non-finite row reaches its own expert's gradient only).
 
 Work split. One program per SM walks output tiles ``p, p + P, ...``, numbered expert-major with
-the column tiles innermost, so the programs that run at once share an expert's rows in L2; each
-tile's row steps are the inner, software-pipelined loop (Triton 3.6 cannot pipeline a loop that
-makes descriptors). An expert without rows runs no step: its tiles are written as zeros, so every
-output element is written. Descriptor coordinates are 32-bit rows (the largest published shapes
-have ~2**19); the output offset of an expert is 64-bit (384 experts x 4096 x 7168 elements pass
-2**31).
+the column tiles innermost, so the programs that run at once share an expert's rows in L2. It
+walks them expert by expert and makes each expert's two descriptors once. Made per tile (as first
+built; each is written to global memory with a fence, between CTA barriers) they cost 6-8% of the
+kernel's time at 683 rows per expert and left it slower than the Pallas kernel; made per expert,
+it is 3-4% faster than the Pallas kernel there, 17-26% slower at 171 rows per expert (one H100,
+``benchmarks/results/weight_grad_h100/0d0c3dd_schedules/``). Each tile's row steps are the
+inner, software-pipelined loop (Triton 3.6 cannot pipeline a loop that makes descriptors). An
+expert without rows runs no step: its tiles are written as zeros, so every output element is
+written. Descriptor coordinates are 32-bit rows (the largest published shapes have ~2**19); the
+output offset of an expert is 64-bit (384 experts x 4096 x 7168 elements pass 2**31).
+
+No warp-specialized row loop: Triton 3.6's (``tl.range(warp_specialize=True)``) compiled for this
+kernel fails on an H100, with an illegal instruction through :func:`.triton_launch.call`, and
+through Triton's own launcher with wrong output or an illegal memory access
+(``benchmarks/results/weight_grad_h100/``).
 
 Dimension letters: ``m`` rows, ``n`` the cotangent's columns (the weight's rows), ``k`` the
 input's columns, ``e`` experts, ``p`` programs.
@@ -43,11 +52,12 @@ DEFAULT_PROGRAMS = 132
 
 @triton.jit
 def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr,
-            NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """Program ``p`` takes output tiles ``p, p + P, ...``: tile ``t`` is expert ``t // (N/BLOCK_N
-    * K/BLOCK_K)``'s ``[BLOCK_N, BLOCK_K]`` tile (column tiles innermost), summed over the
-    expert's rows ``[starts_ptr[e], ends_ptr[e])`` in steps of ``BLOCK_M``.
+            NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            NUM_STAGES: tl.constexpr):
+    """Program ``p`` takes output tiles ``t = p mod P``: tile ``t`` is expert ``t // (N/BLOCK_N *
+    K/BLOCK_K)``'s ``[BLOCK_N, BLOCK_K]`` tile (column tiles innermost), summed over the expert's
+    rows ``[starts_ptr[e], ends_ptr[e])`` in steps of ``BLOCK_M``; experts in order, each one's
+    descriptors made once.
 
     ``x_ptr`` bf16 ``[M, K]``; ``dy_ptr`` bf16 ``[M, N]``; ``out_ptr`` ``[E, N, K]`` (bf16 or
     float32), every element written (``out_in_ptr`` is the same buffer when the caller passed one
@@ -55,12 +65,11 @@ def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.cons
     """
     K_TILES: tl.constexpr = K // BLOCK_K
     PER_EXPERT: tl.constexpr = (N // BLOCK_N) * K_TILES
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     local_n = tl.arange(0, BLOCK_N)
     local_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), NUM_TILES, tl.num_programs(0)):
-        expert = tile // PER_EXPERT
-        n_start = ((tile % PER_EXPERT) // K_TILES) * BLOCK_N
-        k_start = (tile % K_TILES) * BLOCK_K
+    for expert in range(NUM_EXPERTS):
         start = tl.load(starts_ptr + expert)
         end = tl.load(ends_ptr + expert)
         # Bounded at the expert's last row, so TMA reads zeros past it; at least one row, as a
@@ -68,23 +77,26 @@ def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.cons
         rows = tl.maximum(end, 1)
         dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for row in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-            acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
-        out_at = (out_ptr + expert.to(tl.int64) * (N * K)
-                  + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
-        tl.store(out_at, acc.to(out_ptr.dtype.element_ty))
+        base = expert * PER_EXPERT
+        # This program's first tile of the expert: the local index congruent to pid - base mod P.
+        first = (pid + programs - base % programs) % programs
+        for local in range(first, PER_EXPERT, programs):
+            n_start = (local // K_TILES) * BLOCK_N
+            k_start = (local % K_TILES) * BLOCK_K
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            for row in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES):
+                acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
+            out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
+                      + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Spec(pallas_triton.WeightGradSpec):
     """Everything static about one launch (hashable: it keys the jit cache): the Pallas kernel's
-    description (``config`` is the tile), the persistent grid, and whether the row loop is
-    warp-specialized (a producer warp group issuing the TMA copies beside ``config.num_warps``
-    consumer warps)."""
+    description (``config`` is the tile) and the persistent grid."""
 
     num_programs: int
-    warp_specialize: bool = False
     capability: int = 90
 
     @property
@@ -92,8 +104,8 @@ class Spec(pallas_triton.WeightGradSpec):
         return self.num_experts * (self.n // self.block_n) * (self.k // self.block_k)
 
     def constexprs(self) -> dict:
-        return dict(K=self.k, N=self.n, NUM_TILES=self.num_tiles, BLOCK_M=self.config.block_m, BLOCK_N=self.block_n,
-                    BLOCK_K=self.block_k, NUM_STAGES=self.config.num_stages, WARP_SPECIALIZE=self.warp_specialize)
+        return dict(K=self.k, N=self.n, NUM_EXPERTS=self.num_experts, BLOCK_M=self.config.block_m,
+                    BLOCK_N=self.block_n, BLOCK_K=self.block_k, NUM_STAGES=self.config.num_stages)
 
     @property
     def name(self) -> str:
@@ -108,23 +120,18 @@ class Spec(pallas_triton.WeightGradSpec):
 
 
 def make_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capability: int, out_dtype,
-              tile: TileConfig | None = None, num_programs: int | None = None,
-              warp_specialize: bool | None = None) -> Spec:
-    """The launch for these shapes: the capability's tile (``tuning.NATIVE_WEIGHT_GRAD_TILES``),
-    warp-specialized where ``tuning.NATIVE_WEIGHT_GRAD_WARP_SPECIALIZE`` says, unless ``tile`` (then
-    ``warp_specialize``, default False); ``num_programs`` programs (:func:`sm_count` when not given), at
-    most one per output tile."""
+              tile: TileConfig | None = None, num_programs: int | None = None) -> Spec:
+    """The launch for these shapes: the capability's tile (``tuning.NATIVE_WEIGHT_GRAD_TILES``)
+    unless ``tile``; ``num_programs`` programs (:func:`sm_count` when not given), at most one per
+    output tile."""
     if compute_capability not in tuning.NATIVE_WEIGHT_GRAD_TILES:
         raise ValueError(f"compute_capability: {compute_capability}, expected one of "
                          f"{sorted(tuning.NATIVE_WEIGHT_GRAD_TILES)} (the kernel loads its rows by TMA, SM90 and "
                          "above; below, the Pallas kernel grouped_matmul_weight_grad)")
-    table_tile = tile is None
     if tile is None:
         tile = tuning.choose_weight_grad_tile(num_rows=num_rows, num_experts=num_experts,
                                               compute_capability=compute_capability,
                                               table=tuning.NATIVE_WEIGHT_GRAD_TILES)
-    if warp_specialize is None:
-        warp_specialize = tuning.NATIVE_WEIGHT_GRAD_WARP_SPECIALIZE[compute_capability] if table_tile else False
     if num_programs is not None and (type(num_programs) is not int or num_programs < 1):
         raise ValueError(f"num_programs: {num_programs!r}, expected a positive int (programs of the persistent grid)")
     block_n = tuning.fit_block(tile.block_n, n, N_MULTIPLE)
@@ -132,7 +139,7 @@ def make_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capabi
     tiles = num_experts * (n // block_n) * (k // block_k)
     return Spec(config=tile, num_experts=num_experts, num_rows=num_rows, n=n, k=k, block_n=block_n, block_k=block_k,
                 num_programs=min(num_programs or sm_count(), tiles), out_dtype=np.dtype(out_dtype),
-                warp_specialize=warp_specialize, capability=compute_capability)
+                capability=compute_capability)
 
 
 def sm_count() -> int:
@@ -144,8 +151,7 @@ def sm_count() -> int:
 
 
 def weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, out_dtype=jnp.float32, out=None,
-                tile: TileConfig | None = None, num_programs: int | None = None, warp_specialize: bool | None = None,
-                interpret: bool = False) -> jax.Array:
+                tile: TileConfig | None = None, num_programs: int | None = None, interpret: bool = False) -> jax.Array:
     """``[E, N, K]`` in ``out_dtype``: per expert ``dy_e^T @ x_e`` over its rows, accumulated in
     float32 (:func:`pallas_kernels.grouped_matmul.grouped_matmul_weight_grad`'s contract).
 
@@ -158,7 +164,7 @@ def weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, out_dtyp
       out_dtype: float32 or bfloat16.
       out: optional ``[E, N, K]`` buffer of ``out_dtype`` aliased into the output (every element
         is written).
-      tile, warp_specialize: override the tables (benchmark sweeps).
+      tile: overrides the table (benchmark sweeps).
       num_programs: the persistent grid (default: :func:`sm_count`, one program per SM).
       interpret: must be False (a ``Backend``'s ``weight_grad`` takes it): the kernel runs on a
         GPU; Triton's interpreter runs it in ``tests/interpreter/``.
@@ -172,7 +178,7 @@ def weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, out_dtyp
     if m == 0:
         return jnp.zeros((e, n, k), out_dtype)
     spec = make_spec(num_rows=m, num_experts=e, n=n, k=k, compute_capability=compute_capability,
-                     out_dtype=out_dtype, tile=tile, num_programs=num_programs, warp_specialize=warp_specialize)
+                     out_dtype=out_dtype, tile=tile, num_programs=num_programs)
     return launch(spec, x_mk, dy_mn, group_sizes_e, out)
 
 

@@ -1,6 +1,6 @@
 """The native (Triton-language) bf16 weight gradient ``dW_e = dy_e^T x_e``
-(``triton_weight_grad._kernel``: persistent programs over output tiles, the rows of each loaded
-through tensor descriptors bounded at its expert's last row), executed in Triton's interpreter on
+(``triton_weight_grad._kernel``: persistent programs over output tiles, expert by expert, the
+rows of each loaded through tensor descriptors bounded at its expert's last row), executed in Triton's interpreter on
 CPU against float64.
 
 As the GPU gets it: ``make_spec``'s tile or the one under test, the experts' row bounds
@@ -28,8 +28,7 @@ SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3
 
 
 def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL, num_programs=None,
-                experts=None, padding: int = 5, seed: int = 0, bad_row: int | None = None,
-                warp_specialize: bool = False) -> float:
+                experts=None, padding: int = 5, seed: int = 0, bad_row: int | None = None) -> float:
     """Runs the kernel on random bf16 rows (the used experts are the last ones when ``experts``
     is larger); asserts and returns its relative error against float64. ``bad_row``: that row
     of ``x`` holds an infinity in column 1, which must reach its own expert's gradient exactly
@@ -47,8 +46,7 @@ def weight_grad(group_sizes, *, n: int, k: int, out_dtype=np.float32, tile=SMALL
     if bad_row is not None:
         x[bad_row, 1] = np.inf
     spec = triton_weight_grad.make_spec(num_rows=m, num_experts=experts, n=n, k=k, compute_capability=CC,
-                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs,
-                                        warp_specialize=warp_specialize)
+                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs)
     bounds = [np.asarray(a, np.int32) for a in pallas_triton.group_bounds(jnp.asarray(group_sizes), num_rows=m)]
     interpreted.reset()
     out = np.full((experts, n, k), np.nan, out_dtype)
@@ -90,6 +88,14 @@ def test_a_non_finite_row_reaches_its_own_expert_only():
     weight_grad([40, 33, 1, 70], n=32, k=64, bad_row=74, num_programs=3, seed=1)
 
 
+def test_a_program_s_tiles_across_experts():
+    """Tiles per expert not a multiple of the programs (4 tiles an expert; 3 programs, and 5, one
+    more than an expert's tiles): a program walks the experts in order and takes the tiles of each
+    congruent to its id, and every tile of every expert is written."""
+    weight_grad([5, 0, 37, 64, 9], n=64, k=128, num_programs=3, seed=11)
+    weight_grad([5, 0, 37, 64, 9], n=64, k=128, num_programs=5, seed=12)
+
+
 def test_more_programs_than_tiles():
     """The grid is cut to one program per tile: no program without a tile."""
     spec = triton_weight_grad.make_spec(num_rows=10, num_experts=2, n=32, k=64, compute_capability=CC,
@@ -110,9 +116,3 @@ def test_the_sm90_table_tile():
                                         out_dtype=np.float32).config
     assert (tile.block_m, tile.block_n, tile.block_k) == (64, 128, 256)
     weight_grad([70, 130], n=128, k=256, tile=tile, num_programs=1, seed=5)
-
-
-def test_the_warp_specialized_row_loop():
-    """The sweep's warp-specialized candidate's source (the interpreter runs the loop as
-    written; the GPU's 12-warp split is cross-compiled in tests/pallas_kernels)."""
-    weight_grad([0, 1, 31, 32, 65, 7], n=64, k=128, num_programs=4, warp_specialize=True, seed=7)

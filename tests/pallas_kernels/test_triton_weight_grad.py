@@ -34,7 +34,6 @@ def test_the_grid_is_one_program_per_sm_at_most_one_per_tile():
                                         out_dtype=np.float32)
     assert spec.num_programs == triton_weight_grad.DEFAULT_PROGRAMS
     assert spec.config == tuning.NATIVE_WEIGHT_GRAD_TILES[90][1]
-    assert spec.warp_specialize == tuning.NATIVE_WEIGHT_GRAD_WARP_SPECIALIZE[90]
 
 
 @pytest.mark.parametrize("cc", sorted(MMA))
@@ -43,22 +42,27 @@ def test_the_kernel_compiles_to_the_chip_s_bf16_mma_and_tma_loads_without_spills
     expert) at Kimi K2's projections, 48 and 384 experts, bf16 and float32 out: the rows arrive
     by TMA (``cp.async.bulk.tensor``) through descriptors made on the device, no row is loaded
     per thread (no ``cp.async`` of 16 bytes, no ``ld.global`` of bf16 vectors), and nothing
-    spills. SM120's ptxas keeps one 8-byte stack slot it only ever stores zero to (``STL.64
-    [R1], RZ``, no load back): not a spill, so there no ``LDL`` is the check."""
+    spills in the row loop. SM120's ptxas keeps one 8-byte stack slot it only ever stores zero to
+    (``STL.64 [R1], RZ``, no load back); SM100's spills two registers (8 bytes) at its few-rows
+    tile with float32 out, reloaded once per expert before the row loop: neither reloads between
+    the loop's first and last MMA."""
     target, mma = MMA[cc]
     for n, k, rows, experts, out in ((4096, 7168, 32768, 48, "bfloat16"), (7168, 2048, 8192, 48, "float32"),
                                      (7168, 2048, 65536, 384, "bfloat16")):
         kernel = crosscompile.compile_weight_grad(cc, n=n, k=k, rows=rows, experts=experts, out_dtype=out,
-                                                  with_sass=cc == 120)
+                                                  with_sass=cc != 90)
         assert kernel.target == target and re.search(mma, kernel.ptx), (n, k, rows)
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", kernel.ptx), (cc, n, k)
         assert re.search(r"tensormap\.replace|tensormap\.cp_fenceproxy", kernel.ptx), (cc, n, k)
         assert not re.search(r"cp\.async\.c[ag]\.shared\.global", kernel.ptx), (cc, n, k)
         assert 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc], (n, k, rows)
-        if cc == 120:
-            assert kernel.spill_bytes <= 8 and "LDL" not in kernel.sass, (n, k, rows)
-        else:
+        if cc == 90:
             assert kernel.spill_bytes == 0, (n, k, rows)
+        else:
+            sass = kernel.sass.splitlines()
+            at = [i for i, line in enumerate(sass) if re.search(r"\b(UTCHMMA|HMMA)\b", line)]
+            assert kernel.spill_bytes <= 8 and at, (cc, n, k, rows)
+            assert not any(re.search(r"\bLDL\b", line) for line in sass[at[0]:at[-1]]), (cc, n, k, rows)
 
 
 def test_sm90_pipelines_the_row_loads_around_the_asynchronous_mma():
@@ -72,6 +76,17 @@ def test_sm90_pipelines_the_row_loads_around_the_asynchronous_mma():
         (str(stages), "128"), (str(stages), "256")]
     assert "ttng.async_tma_copy_global_to_local" in kernel.ttgir and "ttng.wait_barrier" in kernel.ttgir
     assert re.search(r"ttng\.warp_group_dot .*isAsync = true", kernel.ttgir)
+
+
+def test_descriptors_are_made_once_per_expert_not_per_tile():
+    """A program walks the experts (outer loop), then its tiles of each (middle), then the tile's
+    row steps (inner): the two descriptors are made between the first loop and the second, once
+    per expert it visits; made per tile they cost 6-8% of the kernel on an H100."""
+    ttgir = crosscompile.compile_weight_grad(90, n=4096, k=7168, rows=32768, experts=48).ttgir
+    loops = [m.start() for m in re.finditer(r"scf\.for ", ttgir)]
+    creates = [m.start() for m in re.finditer(r"ttng\.tensormap_create ", ttgir)]
+    assert len(loops) >= 3 and len(creates) == 2, (len(loops), len(creates))
+    assert loops[0] < creates[0] < creates[1] < loops[1]
 
 
 def test_offsets_past_int32_use_64_bit_bases():
@@ -102,23 +117,6 @@ def test_bad_input_gets_one_line_naming_the_argument():
         args = dict(x_mk=x, dy_mn=dy, group_sizes_e=sizes, compute_capability=90) | change
         with pytest.raises(ValueError, match=message):
             triton_weight_grad.weight_grad(**args)
-
-
-def test_the_warp_specialized_row_loop_compiles_for_sm90():
-    """The sweep's warp-specialized candidates (``warp_specialize=True``, 4 warps written): Triton
-    adds a producer warp group, so the kernel runs 12 warps, which ``triton_launch`` reads back
-    from the compiled kernel (jax-triton would launch 4); the consumers' registers raised
-    (``setmaxnreg``), the TMA copies issued by the producer alone."""
-    tile = TileConfig(block_m=64, block_n=128, block_k=256, num_warps=4, num_stages=3, group_t=1)
-    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
-                                        out_dtype="bfloat16", tile=tile, warp_specialize=True)
-    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
-
-    compiled = triton_launch.compile_launch(spec.launch())
-    assert compiled.metadata.num_warps == 12
-    assert "setmaxnreg.inc" in compiled.asm["ptx"] and "setmaxnreg.dec" in compiled.asm["ptx"]
-    assert 0 < compiled.metadata.shared <= SHARED_MEMORY_BYTES[90]
-    assert triton_launch.scratch_bytes(spec.launch()) == compiled.metadata.global_scratch_size * spec.num_programs
 
 
 def test_the_launch_passes_a_global_scratch_and_checks_its_operands():

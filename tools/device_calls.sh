@@ -21,10 +21,11 @@
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
-#   wgrad     the native weight gradient (rows by TMA, descriptors per expert, not dispatched) on
-#             the GPU: its Kimi-size tests against float64, its tile sweep beside the Pallas table
-#             tile and torch's _grouped_mm at 32768 and 8192 rows, Nsight Compute of the three
-#             (DRAM reads, tensor pipe), then Triton's warp-specialized row loop (~450 s)
+#   wgrad     the native weight gradient (rows by TMA, not dispatched) on the GPU: its Kimi-size
+#             tests against float64; the library kernel and the probe's flat candidate (epilogue
+#             inside the pipelined loop) beside the Pallas table tile and torch's _grouped_mm at
+#             32768 and 8192 rows; Nsight Compute of the four (DRAM reads, tensor pipe); then
+#             Triton's warp-specialized row loop through its own launcher (~450 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
@@ -98,14 +99,14 @@ case "$call" in
     ;;
   wgrad)
     step wgrad_tests 150 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kimi_size_gpu.py -k weight_grad
-    step wgrad_sweep 200 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
+    step wgrad_probe 200 python benchmarks/weight_grad_probe.py "$out/wgrad_probe.json" --rows 32768 8192
     # each kernel launched twice (the first call compiles): read the second of each. Few metrics:
     # with the stall sections 230 s did not reach torch's kernel
-    step ncu_wgrad 200 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|^_kernel|cutlass|gemm|Gemm|sm90" \
+    step ncu_wgrad 200 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|_kernel$|cutlass|gemm|Gemm|sm90" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-      --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_sweep.py "$out/wgrad_once.json" --once
+      --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_probe.py "$out/wgrad_once.json" --once --rows 32768
     # last: a warp-specialized launch that fails takes the CUDA context with it
-    step wgrad_ws 60 python benchmarks/weight_grad_ws_probe.py "$out/ws.json"
+    step wgrad_ws 60 python benchmarks/weight_grad_probe.py "$out/ws.json" --triton-launcher --rows 32768
     ;;
 esac
 exit $failed

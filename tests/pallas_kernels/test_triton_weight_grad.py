@@ -132,3 +132,34 @@ def test_the_launch_passes_a_global_scratch_and_checks_its_operands():
     x = jnp.ones((8, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^operands: 2, expected 4 \(the kernel's pointer arguments before its output\)$"):
         triton_launch.call(spec.launch(), x, x, out_shape=jax.ShapeDtypeStruct((1, 1), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("cc", sorted(MMA))
+def test_the_flat_probe_candidate_stores_inside_its_pipelined_loop(cc):
+    """``benchmarks/weight_grad_probe.py``'s ``flat`` candidate (queued for a GPU): two loops (the
+    experts, then a program's tiles and row steps as one), the chip's MMA on TMA-loaded rows inside
+    the second, and the store under its last-step ``if`` inside it too, so the next tile's loads
+    can be in flight during it; within the shared memory, no spills (SM120: the one zero slot)."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from pallas_kernels import crosscompile as compile_any  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    probe = importlib.import_module("weight_grad_probe")
+    target, mma = MMA[cc]
+    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=cc,
+                                        out_dtype="bfloat16")
+    kernel = compile_any.compile_jit(probe._flat_kernel, signature=triton_weight_grad.signature(spec),
+                                       constexprs=spec.constexprs(), capability=cc, num_warps=spec.config.num_warps,
+                                       num_stages=spec.config.num_stages, name="flat_weight_grad")
+    loops = [m.start() for m in re.finditer(r"scf\.for ", kernel.ttgir)]
+    loads = [m.start() for m in re.finditer(r"ttng\.async_tma_copy_global_to_local", kernel.ttgir)]
+    stores = [m.start() for m in re.finditer(r"tt\.store ", kernel.ttgir)]
+    guards = [m.start() for m in re.finditer(r"scf\.if ", kernel.ttgir)]
+    assert len(loops) == 2 and kernel.target == target and re.search(mma, kernel.ptx)
+    assert any(at > loops[1] for at in loads) and stores and all(at > loops[1] for at in stores)
+    assert any(loops[1] < at < stores[0] for at in guards)
+    assert 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc]
+    assert kernel.spill_bytes <= (8 if cc == 120 else 0)

@@ -1,0 +1,303 @@
+"""Probe: two candidates for the native weight gradient (one GPU; not library paths).
+
+``flat`` (the default mode): the library kernel's tiles, order and per-expert descriptors, with
+each program's tiles of an expert and their row steps as one software-pipelined loop (the tile
+index and row step from the loop index, the epilogue under ``if`` on a tile's last step), so the
+next tile's first rows load while a tile's result is stored: the library kernel drains and refills
+its pipeline for every tile, ~11 row steps at 683 rows per expert, and Nsight Compute showed
+barrier stalls on top (results/weight_grad_h100/0d0c3dd/). Triton 3.6's ``tl.range(flatten=True)``
+does not fuse these loops (the inner one's bounds are the expert's rows); written out by hand, it
+compiles with the epilogue inside the loop (SM90: 224 KB of shared memory). Timed beside the
+library kernel, the Pallas table tile and ``torch._grouped_mm`` in the same run, 48 experts,
+Kimi K2's projections; each checked against the Pallas kernel's float32 output first (relative
+error < 1e-2). ``--once``: each called twice at 32768 rows, gate/up, for Nsight Compute.
+
+``--triton-launcher``: the warp-specialized row loop. ``triton_weight_grad`` has none: with
+Triton 3.6 on an H100 it failed with an illegal instruction through ``triton_launch.call``
+(results/weight_grad_h100/0d0c3dd/), and through Triton's own launcher with wrong output (the
+per-tile schedule, 3.15 ms against 3.75 unspecialized) or an illegal memory access (the
+per-expert schedule the library has now; results/weight_grad_h100/0d0c3dd_schedules/, from
+c1ab555's schedule probe). Kept for a later Triton: the library kernel's source with
+``tl.range(warp_specialize=WARP_SPECIALIZE)``, launched by Triton's own launcher on torch
+tensors beside the library kernel (the control), gate/up; error against float32 for three
+experts, then the median of 10 timed launches (CUDA events). Run it in its own process: a failed
+launch loses the CUDA context.
+
+    python benchmarks/weight_grad_probe.py OUT.json [--rows 32768 8192]
+    ncu ... python benchmarks/weight_grad_probe.py OUT.json --once
+    python benchmarks/weight_grad_probe.py OUT.json --triton-launcher [--rows 32768]
+"""
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+sys.path.insert(0, ".")
+from pallas_kernels.grouped_matmul import (  # noqa: E402
+    grouped_matmul_weight_grad, pallas_triton, triton_launch, triton_weight_grad,
+)
+from pallas_kernels.grouped_matmul.tuning import TileConfig  # noqa: E402
+
+E, H, F = 48, 7168, 2048
+PROJECTIONS = {"gate_up": (H, 2 * F), "down": (F, H)}  # (k, n): x [M, k], dy [M, n]
+#: (block_m, block_n, block_k, num_warps, num_stages): the library's SM90 table tile; 32-row steps
+#: with 6 stages (as fast in the library kernel, results/weight_grad_h100/0d0c3dd_schedules/).
+TILES = [(64, 128, 256, 8, 4), (32, 128, 256, 8, 6)]
+
+
+@triton.jit
+def _flat_kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr,
+                 NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    """``triton_weight_grad._kernel``'s tiles and descriptors, a program's tiles of one expert
+    and their row steps as one pipelined loop: step ``i`` is row step ``i % steps`` of the
+    program's tile ``i // steps``; on a tile's last step its result is stored and the
+    accumulator restarts. An expert without rows still takes one step per tile (its rows past
+    the bound read as zeros; when it ends at row 0 the descriptor's one row is another expert's,
+    so the stored value is selected to zero) so every tile is written."""
+    K_TILES: tl.constexpr = K // BLOCK_K
+    PER_EXPERT: tl.constexpr = (N // BLOCK_N) * K_TILES
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    local_n = tl.arange(0, BLOCK_N)
+    local_k = tl.arange(0, BLOCK_K)
+    for expert in range(NUM_EXPERTS):
+        start = tl.load(starts_ptr + expert)
+        end = tl.load(ends_ptr + expert)
+        rows = tl.maximum(end, 1)
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        base = expert * PER_EXPERT
+        first = (pid + programs - base % programs) % programs
+        tiles = (PER_EXPERT - first + programs - 1) // programs
+        steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for i in tl.range(0, tiles * steps, num_stages=NUM_STAGES):
+            tile = i // steps
+            step = i - tile * steps
+            local = first + tile * programs
+            n_start = (local // K_TILES) * BLOCK_N
+            k_start = (local % K_TILES) * BLOCK_K
+            row = start + step * BLOCK_M
+            acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
+            if step == steps - 1:
+                out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
+                          + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
+                tl.store(out_at, tl.where(end > start, acc, 0.0).to(out_ptr.dtype.element_ty))
+                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+
+
+def flat_launch(spec: triton_weight_grad.Spec) -> triton_launch.Launch:
+    """The library launch of ``spec`` (tile, grid, constexprs) with :func:`_flat_kernel`."""
+    return dataclasses.replace(spec.launch(), kernel=_flat_kernel, name=f"flat_{spec.name}")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flat_call(spec, x_mk, dy_mn, group_sizes_e):
+    starts_e, ends_e = pallas_triton.group_bounds(group_sizes_e, num_rows=spec.num_rows)
+    return triton_launch.call(flat_launch(spec), starts_e, ends_e, x_mk, dy_mn,
+                              out_shape=jax.ShapeDtypeStruct((spec.num_experts, spec.n, spec.k), spec.out_dtype))
+
+
+def flat_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int = 90, out_dtype=jnp.bfloat16,
+                     tile: TileConfig | None = None) -> jax.Array:
+    """:func:`.triton_weight_grad.weight_grad`'s ``[E, N, K]`` through :func:`_flat_kernel`."""
+    (m, k), n, e = x_mk.shape, dy_mn.shape[1], group_sizes_e.shape[0]
+    spec = triton_weight_grad.make_spec(num_rows=m, num_experts=e, n=n, k=k, compute_capability=compute_capability,
+                                        out_dtype=out_dtype, tile=tile)
+    return _flat_call(spec, x_mk, dy_mn, group_sizes_e)
+
+
+def _median_ms(f) -> float:
+    """Median wall time of 10 synchronized calls after two more."""
+    f()
+    f()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
+def _candidates(x, dy, gs):
+    """(name, tile, f) of everything timed, torch's ``f`` last (it needs torch tensors)."""
+    out = [("pallas table", None, lambda: grouped_matmul_weight_grad(x, dy, gs, compute_capability=90,
+                                                                     out_dtype=jnp.bfloat16))]
+    for tile in TILES:
+        cfg = TileConfig(block_m=tile[0], block_n=tile[1], block_k=tile[2], num_warps=tile[3], num_stages=tile[4],
+                         group_t=1)
+        out.append(("library", tile, lambda cfg=cfg: triton_weight_grad.weight_grad(
+            x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16, tile=cfg)))
+        out.append(("flat", tile, lambda cfg=cfg: flat_weight_grad(x, dy, gs, tile=cfg)))
+    return out
+
+
+def probe(out: str, rows: list[int]) -> None:
+    import torch  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    results = []
+    for m in rows:
+        gs = jnp.asarray(rng.multinomial(m, np.full(E, 1 / E)), jnp.int32)
+        offs = torch.as_tensor(np.cumsum(np.asarray(gs)).astype(np.int32), device="cuda")
+        for proj, (k, n) in PROJECTIONS.items():
+            x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+            dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+            tx, tdy = torch.from_dlpack(x), torch.from_dlpack(dy)
+            ref = grouped_matmul_weight_grad(x, dy, gs, compute_capability=90, out_dtype=jnp.float32)
+            torch_f = lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs), torch.cuda.synchronize())  # noqa: B023, E731
+            for name, tile, f in [*_candidates(x, dy, gs), ("torch", None, None)]:
+                row = dict(m=m, proj=proj, kernel=name, tile=tile)
+                try:
+                    if name == "torch":
+                        ms = _median_ms(torch_f)
+                    else:
+                        got = f()
+                        row["err"] = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+                        del got
+                        if not row["err"] < 1e-2:
+                            raise AssertionError(f"relative error {row['err']:.3g} against the Pallas kernel's float32")
+                        ms = _median_ms(lambda: f().block_until_ready())  # noqa: B023
+                    row.update(ms=ms, tflops=2 * m * n * k / ms / 1e9)
+                except Exception as e:  # noqa: BLE001 -- recorded, never hidden
+                    row["error"] = str(e)[:300]
+                results.append(row)
+                print(m, proj, name, tile or "", f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
+                      if "ms" in row else row["error"], flush=True)
+                with open(out, "w") as fh:  # after every row: a cut-off run keeps what it measured
+                    json.dump(results, fh, indent=1)
+            del x, dy, tx, tdy, ref
+
+
+def once(out: str, m: int) -> None:
+    """Each candidate at the table tile, gate/up, called twice (the first compiles), then
+    torch's: for Nsight Compute, whose second launch of each is the one to read."""
+    import torch  # noqa: PLC0415
+
+    k, n = PROJECTIONS["gate_up"]
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(m, np.full(E, 1 / E)), jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+    tx, tdy = torch.from_dlpack(x), torch.from_dlpack(dy)
+    offs = torch.as_tensor(np.cumsum(np.asarray(gs)).astype(np.int32), device="cuda")
+    calls = [(name, lambda f=f: f().block_until_ready()) for name, tile, f in _candidates(x, dy, gs)
+             if tile in (None, TILES[0])]
+    calls.append(("torch", lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs), torch.cuda.synchronize())))
+    launches = []
+    for name, f in calls:
+        for call in ("first", "measured"):
+            f()
+            launches.append(dict(m=m, proj="gate_up", kernel=name, call=call))
+            print(name, call, flush=True)
+    with open(out, "w") as fh:
+        json.dump(launches, fh, indent=1)
+
+
+@triton.jit
+def _warp_specialized_kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr,
+                             N: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                             WARP_SPECIALIZE: tl.constexpr):
+    """``triton_weight_grad._kernel`` with the row loop's ``warp_specialize`` as a constexpr."""
+    K_TILES: tl.constexpr = K // BLOCK_K
+    PER_EXPERT: tl.constexpr = (N // BLOCK_N) * K_TILES
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    local_n = tl.arange(0, BLOCK_N)
+    local_k = tl.arange(0, BLOCK_K)
+    for expert in range(NUM_EXPERTS):
+        start = tl.load(starts_ptr + expert)
+        end = tl.load(ends_ptr + expert)
+        rows = tl.maximum(end, 1)
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        base = expert * PER_EXPERT
+        first = (pid + programs - base % programs) % programs
+        for local in range(first, PER_EXPERT, programs):
+            n_start = (local // K_TILES) * BLOCK_N
+            k_start = (local % K_TILES) * BLOCK_K
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            for row in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+                acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
+            out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
+                      + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty))
+
+
+def triton_launcher(out: str, m: int) -> None:
+    """The library kernel, then :func:`_warp_specialized_kernel` warp-specialized, through
+    Triton's own launcher (module docstring)."""
+    import torch  # noqa: PLC0415
+
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    k, n = PROJECTIONS["gate_up"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = np.random.default_rng(0).multinomial(m, np.full(E, 1 / E))
+    ends = torch.as_tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends[:-1]])
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for name, kernel, extra, warps in (("library", triton_weight_grad.kernel_function(), {}, 8),
+                                       ("warp-specialized", _warp_specialized_kernel, {"WARP_SPECIALIZE": True}, 4)):
+        out_enk = torch.full((E, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        consts = dict(K=k, N=n, NUM_EXPERTS=E, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, NUM_STAGES=4, **extra)
+
+        def launch():
+            kernel[(programs,)](starts, ends, x, dy, out_enk, out_enk, **consts,  # noqa: B023
+                                num_warps=warps, num_stages=4)  # noqa: B023
+        row = dict(kernel=name, tile=(64, 128, 256, warps, 4), m=m, proj="gate_up")
+        try:
+            launch()
+            torch.cuda.synchronize()
+            errs = []
+            for e in (0, E // 2, E - 1):
+                want = dy[bounds[e]:bounds[e + 1]].float().T @ x[bounds[e]:bounds[e + 1]].float()
+                errs.append(float((out_enk[e].float() - want).norm() / want.norm()))
+            row["err"] = max(errs)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(12)]
+            for a, b in events:
+                a.record()
+                launch()
+                b.record()
+            torch.cuda.synchronize()
+            row["ms"] = float(np.median([a.elapsed_time(b) for a, b in events[2:]]))
+        except Exception as e:  # noqa: BLE001 -- recorded, never hidden
+            row["error"] = str(e)[:300]
+        results.append(row)
+        print(row, flush=True)
+        with open(out, "w") as fh:
+            json.dump(results, fh, indent=1)
+        if "error" in row:
+            break  # the CUDA context is gone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="JSON file to write (rewritten after every row)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32768, 8192],
+                        help="rows over 48 experts; --once and --triton-launcher take the first")
+    parser.add_argument("--once", action="store_true", help="each candidate launched twice, for Nsight Compute")
+    parser.add_argument("--triton-launcher", action="store_true",
+                        help="the warp-specialized row loop through Triton's own launcher (torch tensors)")
+    args = parser.parse_args()
+    if args.triton_launcher:
+        return triton_launcher(args.out, args.rows[0])
+    if args.once:
+        return once(args.out, args.rows[0])
+    return probe(args.out, args.rows)
+
+
+if __name__ == "__main__":
+    main()

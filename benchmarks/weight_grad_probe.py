@@ -9,8 +9,9 @@ barrier stalls on top (results/weight_grad_h100/0d0c3dd/). Triton 3.6's ``tl.ran
 does not fuse these loops (the inner one's bounds are the expert's rows); written out by hand, it
 compiles with the epilogue inside the loop (SM90: 224 KB of shared memory). Timed beside the
 library kernel, the Pallas table tile and ``torch._grouped_mm`` in the same run, 48 experts,
-Kimi K2's projections; each checked against the Pallas kernel's float32 output first (relative
-error < 1e-2). ``--once``: each called twice at 32768 rows, gate/up, for Nsight Compute.
+Kimi K2's projections, at the library's table tile and two others (``TILES``, one with two
+programs per SM); each checked against the Pallas kernel's float32 output first (relative error
+< 1e-2). ``--once``: each called twice at 32768 rows, gate/up, for Nsight Compute.
 
 ``--triton-launcher``: the warp-specialized row loop. ``triton_weight_grad`` has none: with
 Triton 3.6 on an H100 it failed with an illegal instruction through ``triton_launch.call``
@@ -48,9 +49,11 @@ from pallas_kernels.grouped_matmul.tuning import TileConfig  # noqa: E402
 
 E, H, F = 48, 7168, 2048
 PROJECTIONS = {"gate_up": (H, 2 * F), "down": (F, H)}  # (k, n): x [M, k], dy [M, n]
-#: (block_m, block_n, block_k, num_warps, num_stages): the library's SM90 table tile; 32-row steps
-#: with 6 stages (as fast in the library kernel, results/weight_grad_h100/0d0c3dd_schedules/).
-TILES = [(64, 128, 256, 8, 4), (32, 128, 256, 8, 6)]
+#: (block_m, block_n, block_k, num_warps, num_stages, programs per SM): the library's SM90 table
+#: tile; 32-row steps with 6 stages (as fast in the library kernel,
+#: results/weight_grad_h100/0d0c3dd_schedules/); and 128 x 128 outputs on 4 warps in 98 KB (106
+#: for flat), two programs per SM, so one's loads and MMAs run while the other stores.
+TILES = [(64, 128, 256, 8, 4, 1), (32, 128, 256, 8, 6, 1), (64, 128, 128, 4, 3, 2)]
 
 
 @triton.jit
@@ -108,11 +111,11 @@ def _flat_call(spec, x_mk, dy_mn, group_sizes_e):
 
 
 def flat_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int = 90, out_dtype=jnp.bfloat16,
-                     tile: TileConfig | None = None) -> jax.Array:
+                     tile: TileConfig | None = None, num_programs: int | None = None) -> jax.Array:
     """:func:`.triton_weight_grad.weight_grad`'s ``[E, N, K]`` through :func:`_flat_kernel`."""
     (m, k), n, e = x_mk.shape, dy_mn.shape[1], group_sizes_e.shape[0]
     spec = triton_weight_grad.make_spec(num_rows=m, num_experts=e, n=n, k=k, compute_capability=compute_capability,
-                                        out_dtype=out_dtype, tile=tile)
+                                        out_dtype=out_dtype, tile=tile, num_programs=num_programs)
     return _flat_call(spec, x_mk, dy_mn, group_sizes_e)
 
 
@@ -135,9 +138,10 @@ def _candidates(x, dy, gs):
     for tile in TILES:
         cfg = TileConfig(block_m=tile[0], block_n=tile[1], block_k=tile[2], num_warps=tile[3], num_stages=tile[4],
                          group_t=1)
-        out.append(("library", tile, lambda cfg=cfg: triton_weight_grad.weight_grad(
-            x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16, tile=cfg)))
-        out.append(("flat", tile, lambda cfg=cfg: flat_weight_grad(x, dy, gs, tile=cfg)))
+        programs = tile[5] * triton_weight_grad.sm_count()
+        out.append(("library", tile, lambda cfg=cfg, p=programs: triton_weight_grad.weight_grad(
+            x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16, tile=cfg, num_programs=p)))
+        out.append(("flat", tile, lambda cfg=cfg, p=programs: flat_weight_grad(x, dy, gs, tile=cfg, num_programs=p)))
     return out
 
 

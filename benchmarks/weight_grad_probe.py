@@ -1,6 +1,6 @@
-"""Probe: two candidates for the native weight gradient (one GPU; not library paths).
+"""Probe: a candidate for the native weight gradient (one GPU; not a library path).
 
-``flat`` (the default mode): the library kernel's tiles, order and per-expert descriptors, with
+``flat``: the library kernel's tiles, order and per-expert descriptors, with
 each program's tiles of an expert and their row steps as one software-pipelined loop (the tile
 index and row step from the loop index, the epilogue under ``if`` on a tile's last step), so the
 next tile's first rows load while a tile's result is stored: the library kernel drains and refills
@@ -13,27 +13,19 @@ Kimi K2's projections, at the library's table tile and two others (``TILES``, on
 programs per SM); each checked against the Pallas kernel's float32 output first (relative error
 < 1e-2). ``--once``: each called twice at 32768 rows, gate/up, for Nsight Compute.
 
-``--triton-launcher``: the warp-specialized row loop. ``triton_weight_grad`` has none: with
-Triton 3.6 on an H100 it failed with an illegal instruction through ``triton_launch.call``
-(results/weight_grad_h100/0d0c3dd/), and through Triton's own launcher with wrong output (the
-per-tile schedule, 3.15 ms against 3.75 unspecialized) or an illegal memory access (the
-per-expert schedule the library has now; results/weight_grad_h100/0d0c3dd_schedules/, from
-c1ab555's schedule probe). Kept for a later Triton: the library kernel's source with
-``tl.range(warp_specialize=WARP_SPECIALIZE)``, launched by Triton's own launcher on torch
-tensors beside the library kernel (the control), gate/up; error against float32 for three
-experts, then the median of 10 timed launches (CUDA events). Run it in its own process: a failed
-launch loses the CUDA context.
+No warp-specialized candidate: Triton 3.6's warp specialization was wrong on the library kernel
+(results/weight_grad_h100/0d0c3dd_schedules/, c1ab555's probe), and on this loop it does not
+specialize at all (``tl.range(warp_specialize=True)`` compiles to the same 4 warps, no
+``setmaxnreg``).
 
     python benchmarks/weight_grad_probe.py OUT.json [--rows 32768 8192]
     ncu ... python benchmarks/weight_grad_probe.py OUT.json --once
-    python benchmarks/weight_grad_probe.py OUT.json --triton-launcher [--rows 32768]
 """
 import argparse
 import dataclasses
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +37,9 @@ sys.path.insert(0, ".")
 from pallas_kernels.grouped_matmul import (  # noqa: E402
     grouped_matmul_weight_grad, pallas_triton, triton_launch, triton_weight_grad,
 )
+from pallas_kernels.grouped_matmul.triton_weight_grad import expert_rows  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import TileConfig  # noqa: E402
+from weight_grad_sweep import _median_ms  # noqa: E402 (benchmarks/, this script's directory)
 
 E, H, F = 48, 7168, 2048
 PROJECTIONS = {"gate_up": (H, 2 * F), "down": (F, H)}  # (k, n): x [M, k], dy [M, n]
@@ -73,13 +67,8 @@ def _flat_kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl
     local_n = tl.arange(0, BLOCK_N)
     local_k = tl.arange(0, BLOCK_K)
     for expert in range(NUM_EXPERTS):
-        start = tl.load(starts_ptr + expert)
-        end = tl.load(ends_ptr + expert)
-        rows = tl.maximum(end, 1)
-        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        base = expert * PER_EXPERT
-        first = (pid + programs - base % programs) % programs
+        start, end, dy_desc, x_desc, first = expert_rows(starts_ptr, ends_ptr, x_ptr, dy_ptr, expert, pid, programs,
+                                                         K, N, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_K)
         tiles = (PER_EXPERT - first + programs - 1) // programs
         steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -117,18 +106,6 @@ def flat_weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int = 90
     spec = triton_weight_grad.make_spec(num_rows=m, num_experts=e, n=n, k=k, compute_capability=compute_capability,
                                         out_dtype=out_dtype, tile=tile, num_programs=num_programs)
     return _flat_call(spec, x_mk, dy_mn, group_sizes_e)
-
-
-def _median_ms(f) -> float:
-    """Median wall time of 10 synchronized calls after two more."""
-    f()
-    f()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e3
 
 
 def _candidates(x, dy, gs):
@@ -206,98 +183,13 @@ def once(out: str, m: int) -> None:
         json.dump(launches, fh, indent=1)
 
 
-@triton.jit
-def _warp_specialized_kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr,
-                             N: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             WARP_SPECIALIZE: tl.constexpr):
-    """``triton_weight_grad._kernel`` with the row loop's ``warp_specialize`` as a constexpr."""
-    K_TILES: tl.constexpr = K // BLOCK_K
-    PER_EXPERT: tl.constexpr = (N // BLOCK_N) * K_TILES
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    local_n = tl.arange(0, BLOCK_N)
-    local_k = tl.arange(0, BLOCK_K)
-    for expert in range(NUM_EXPERTS):
-        start = tl.load(starts_ptr + expert)
-        end = tl.load(ends_ptr + expert)
-        rows = tl.maximum(end, 1)
-        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        base = expert * PER_EXPERT
-        first = (pid + programs - base % programs) % programs
-        for local in range(first, PER_EXPERT, programs):
-            n_start = (local // K_TILES) * BLOCK_N
-            k_start = (local % K_TILES) * BLOCK_K
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-            for row in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-                acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
-            out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
-                      + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
-            tl.store(out_at, acc.to(out_ptr.dtype.element_ty))
-
-
-def triton_launcher(out: str, m: int) -> None:
-    """The library kernel, then :func:`_warp_specialized_kernel` warp-specialized, through
-    Triton's own launcher (module docstring)."""
-    import torch  # noqa: PLC0415
-
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    k, n = PROJECTIONS["gate_up"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sizes = np.random.default_rng(0).multinomial(m, np.full(E, 1 / E))
-    ends = torch.as_tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
-    starts = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends[:-1]])
-    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-    dy = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16)
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    results = []
-    for name, kernel, extra, warps in (("library", triton_weight_grad.kernel_function(), {}, 8),
-                                       ("warp-specialized", _warp_specialized_kernel, {"WARP_SPECIALIZE": True}, 4)):
-        out_enk = torch.full((E, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-        consts = dict(K=k, N=n, NUM_EXPERTS=E, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, NUM_STAGES=4, **extra)
-
-        def launch():
-            kernel[(programs,)](starts, ends, x, dy, out_enk, out_enk, **consts,  # noqa: B023
-                                num_warps=warps, num_stages=4)  # noqa: B023
-        row = dict(kernel=name, tile=(64, 128, 256, warps, 4), m=m, proj="gate_up")
-        try:
-            launch()
-            torch.cuda.synchronize()
-            errs = []
-            for e in (0, E // 2, E - 1):
-                want = dy[bounds[e]:bounds[e + 1]].float().T @ x[bounds[e]:bounds[e + 1]].float()
-                errs.append(float((out_enk[e].float() - want).norm() / want.norm()))
-            row["err"] = max(errs)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(12)]
-            for a, b in events:
-                a.record()
-                launch()
-                b.record()
-            torch.cuda.synchronize()
-            row["ms"] = float(np.median([a.elapsed_time(b) for a, b in events[2:]]))
-        except Exception as e:  # noqa: BLE001 -- recorded, never hidden
-            row["error"] = str(e)[:300]
-        results.append(row)
-        print(row, flush=True)
-        with open(out, "w") as fh:
-            json.dump(results, fh, indent=1)
-        if "error" in row:
-            break  # the CUDA context is gone
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON file to write (rewritten after every row)")
     parser.add_argument("--rows", type=int, nargs="+", default=[32768, 8192],
-                        help="rows over 48 experts; --once and --triton-launcher take the first")
+                        help="rows over 48 experts; --once takes the first")
     parser.add_argument("--once", action="store_true", help="each candidate launched twice, for Nsight Compute")
-    parser.add_argument("--triton-launcher", action="store_true",
-                        help="the warp-specialized row loop through Triton's own launcher (torch tensors)")
     args = parser.parse_args()
-    if args.triton_launcher:
-        return triton_launcher(args.out, args.rows[0])
     if args.once:
         return once(args.out, args.rows[0])
     return probe(args.out, args.rows)

@@ -24,8 +24,7 @@
 #   wgrad     the native weight gradient (rows by TMA, not dispatched) on the GPU: its Kimi-size
 #             tests against float64; the library kernel and the probe's flat candidate (epilogue
 #             inside the pipelined loop) beside the Pallas table tile and torch's _grouped_mm at
-#             32768 and 8192 rows; Nsight Compute of the four (DRAM reads, tensor pipe); then
-#             Triton's warp-specialized row loop through its own launcher (~450 s)
+#             32768 and 8192 rows; Nsight Compute of the four (DRAM reads, tensor pipe) (~400 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
@@ -105,8 +104,6 @@ case "$call" in
     step ncu_wgrad 200 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|_kernel$|cutlass|gemm|Gemm|sm90" \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
       --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_probe.py "$out/wgrad_once.json" --once --rows 32768
-    # last: a warp-specialized launch that fails takes the CUDA context with it
-    step wgrad_ws 60 python benchmarks/weight_grad_probe.py "$out/ws.json" --triton-launcher --rows 32768
     ;;
 esac
 exit $failed

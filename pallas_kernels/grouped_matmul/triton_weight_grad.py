@@ -51,6 +51,23 @@ DEFAULT_PROGRAMS = 132
 
 
 @triton.jit
+def expert_rows(starts_ptr, ends_ptr, x_ptr, dy_ptr, expert, pid, programs, K: tl.constexpr, N: tl.constexpr,
+                PER_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(start, end, dy_desc, x_desc, first)`` of ``expert`` for this program: its rows
+    ``[start, end)``, the two descriptors of its rows, and the program's first of its
+    ``PER_EXPERT`` tiles (tile ``t`` of the whole grid is program ``t mod programs``'s)."""
+    start = tl.load(starts_ptr + expert)
+    end = tl.load(ends_ptr + expert)
+    # Bounded at the expert's last row, so TMA reads zeros past it; at least one row, as a
+    # descriptor needs (an expert without rows runs no step).
+    rows = tl.maximum(end, 1)
+    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    first = (pid + programs - (expert * PER_EXPERT) % programs) % programs
+    return start, end, dy_desc, x_desc, first
+
+
+@triton.jit
 def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr,
             NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NUM_STAGES: tl.constexpr):
@@ -70,16 +87,8 @@ def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.cons
     local_n = tl.arange(0, BLOCK_N)
     local_k = tl.arange(0, BLOCK_K)
     for expert in range(NUM_EXPERTS):
-        start = tl.load(starts_ptr + expert)
-        end = tl.load(ends_ptr + expert)
-        # Bounded at the expert's last row, so TMA reads zeros past it; at least one row, as a
-        # descriptor needs (an expert without rows runs no step).
-        rows = tl.maximum(end, 1)
-        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        base = expert * PER_EXPERT
-        # This program's first tile of the expert: the local index congruent to pid - base mod P.
-        first = (pid + programs - base % programs) % programs
+        start, end, dy_desc, x_desc, first = expert_rows(starts_ptr, ends_ptr, x_ptr, dy_ptr, expert, pid, programs,
+                                                         K, N, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_K)
         for local in range(first, PER_EXPERT, programs):
             n_start = (local // K_TILES) * BLOCK_N
             k_start = (local % K_TILES) * BLOCK_K
@@ -206,5 +215,5 @@ def signature(spec: Spec) -> dict[str, str]:
     return {**_pointer_types(spec), **{name: "constexpr" for name in spec.constexprs()}}
 
 
-__all__ = ["DEFAULT_PROGRAMS", "Spec", "kernel_function", "launch", "make_spec", "signature", "sm_count",
+__all__ = ["DEFAULT_PROGRAMS", "Spec", "expert_rows", "kernel_function", "launch", "make_spec", "signature", "sm_count",
            "weight_grad"]

@@ -9,8 +9,8 @@ is NaN-poisoned, so an element the kernel does not write fails; the padding rows
 ``sum(group_sizes)`` hold NaN in both ``x`` and ``dy``, so a row step that reads one fails too.
 
 The same tests run ``benchmarks/weight_grad_probe.py``'s ``flat`` candidate (a program's tiles
-of an expert and their row steps as one pipelined loop), so a GPU measurement of it measures a
-kernel that is right.
+of an expert and their row steps as one pipelined loop), storing per thread and through TMA, so
+a GPU measurement of it measures a kernel that is right.
 
 Run by ``./run test`` with triton 3.9.0 from ``.triton-interpret`` (``TRITON_INTERPRET=1``).
 """
@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import weight_grad_probe  # noqa: E402
 
 CC = 90
-KERNELS = {"library": triton_weight_grad.kernel_function(), "flat": weight_grad_probe._flat_kernel}
+#: The kernel under test and the constexprs it takes beyond ``Spec.constexprs()``.
+KERNELS = {"library": (triton_weight_grad.kernel_function(), {}),
+           "flat": (weight_grad_probe._flat_kernel, {"TMA_STORE": False}),
+           "flat_tma_store": (weight_grad_probe._flat_kernel, {"TMA_STORE": True})}
 #: A tile the interpreter runs quickly: 32-row steps, a 32 x 64 output tile.
 SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3, group_t=1)
 
@@ -64,7 +67,8 @@ def weight_grad(kernel: str, group_sizes, *, n: int, k: int, out_dtype=np.float3
     buffers = [interpreted.buffer(a, name) for a, name in zip(bounds, ("starts", "ends"), strict=True)]
     buffers += [interpreted.buffer(x, "x"), interpreted.buffer(dy, "dy"),
                interpreted.buffer(np.zeros(1, out_dtype), "out_in (unread)")]
-    got = interpreted.launch(KERNELS[kernel], spec.num_programs, buffers, out, spec.constexprs())
+    fn, extra = KERNELS[kernel]
+    got = interpreted.launch(fn, spec.num_programs, buffers, out, {**spec.constexprs(), **extra})
     bounds = np.concatenate([[0], np.cumsum(group_sizes)])
     want = np.stack([dy[bounds[e]:bounds[e + 1]].astype(np.float64).T @ x[bounds[e]:bounds[e + 1]].astype(np.float64)
                      for e in range(experts)])

@@ -152,8 +152,9 @@ def test_the_flat_probe_candidate_stores_inside_its_pipelined_loop(cc):
     spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=cc,
                                         out_dtype="bfloat16")
     kernel = compile_any.compile_jit(probe._flat_kernel, signature=triton_weight_grad.signature(spec),
-                                       constexprs=spec.constexprs(), capability=cc, num_warps=spec.config.num_warps,
-                                       num_stages=spec.config.num_stages, name="flat_weight_grad")
+                                       constexprs={**spec.constexprs(), "TMA_STORE": False}, capability=cc,
+                                       num_warps=spec.config.num_warps, num_stages=spec.config.num_stages,
+                                       name="flat_weight_grad")
     loops = [m.start() for m in re.finditer(r"scf\.for ", kernel.ttgir)]
     loads = [m.start() for m in re.finditer(r"ttng\.async_tma_copy_global_to_local", kernel.ttgir)]
     stores = [m.start() for m in re.finditer(r"tt\.store ", kernel.ttgir)]
@@ -163,3 +164,27 @@ def test_the_flat_probe_candidate_stores_inside_its_pipelined_loop(cc):
     assert any(loops[1] < at < stores[0] for at in guards)
     assert 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc]
     assert kernel.spill_bytes <= (8 if cc == 120 else 0)
+
+
+def test_the_flat_probe_candidate_s_tma_store_fits_the_shared_memory():
+    """``flat`` storing through TMA on SM90: one bulk store from shared memory per tile (no
+    per-thread ``st.global``) and, at the probe's tiles, the staging buffer beside the row stages
+    within the 227 KB a block may have (at 4 stages of 64 rows it would need 256 KB)."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    probe = importlib.import_module("weight_grad_probe")
+    for name, (bm, bn, bk, warps, stages, _) in probe.CANDIDATES:
+        if not name.endswith("TMA store"):
+            continue
+        tile = TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_t=1)
+        spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
+                                            out_dtype="bfloat16", tile=tile)
+        compiled = triton_launch.compile_launch(probe.flat_launch(spec, tma_store=True))
+        ptx = compiled.asm["ptx"]
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx) and "st.global" not in ptx, tile
+        assert compiled.metadata.shared <= SHARED_MEMORY_BYTES[90], (tile, compiled.metadata.shared)

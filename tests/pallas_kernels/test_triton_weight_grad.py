@@ -7,7 +7,10 @@ argument checks. The kernel itself runs against float64 in
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("triton")
-from pallas_kernels.grouped_matmul import crosscompile, pallas_triton, triton_weight_grad, tuning  # noqa: E402
+from pallas_kernels import crosscompile as compile_any  # noqa: E402
+from pallas_kernels.grouped_matmul import (  # noqa: E402
+    crosscompile, triton_launch, triton_weight_grad, tuning,
+)
 from pallas_kernels.grouped_matmul.tuning import SHARED_MEMORY_BYTES, TileConfig  # noqa: E402
 
 SMALL = TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=3, group_t=1)
@@ -24,6 +30,12 @@ MMA = {
     100: ("sm_100a", r"tcgen05\.mma\.cta_group::1\.kind::f16"),
     90: ("sm_90a", r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"),
 }
+
+
+def _probe():
+    """``benchmarks/weight_grad_probe.py``, the candidates queued for a GPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    return importlib.import_module("weight_grad_probe")
 
 
 def test_the_grid_is_one_program_per_sm_at_most_one_per_tile():
@@ -123,8 +135,6 @@ def test_the_launch_passes_a_global_scratch_and_checks_its_operands():
     """The table kernel keeps its two descriptors in Triton's global scratch (128 bytes each, per
     program), which ``triton_launch.call`` allocates (jax-triton passes a null pointer there);
     a launch given the wrong number of operands says so."""
-    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
-
     spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
                                         out_dtype="bfloat16", num_programs=132)
     assert triton_launch.compile_launch(spec.launch()).metadata.global_scratch_size == 256
@@ -140,14 +150,7 @@ def test_the_flat_probe_candidate_stores_inside_its_pipelined_loop(cc):
     experts, then a program's tiles and row steps as one), the chip's MMA on TMA-loaded rows inside
     the second, and the store under its last-step ``if`` inside it too, so the next tile's loads
     can be in flight during it; within the shared memory, no spills (SM120: the one zero slot)."""
-    import importlib  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from pallas_kernels import crosscompile as compile_any  # noqa: PLC0415
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    probe = importlib.import_module("weight_grad_probe")
+    probe = _probe()
     target, mma = MMA[cc]
     spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=cc,
                                         out_dtype="bfloat16")
@@ -170,14 +173,7 @@ def test_the_flat_probe_candidate_s_tma_store_fits_the_shared_memory():
     """``flat`` storing through TMA on SM90: one bulk store from shared memory per tile (no
     per-thread ``st.global``) and, at the probe's tiles, the staging buffer beside the row stages
     within the 227 KB a block may have (at 4 stages of 64 rows it would need 256 KB)."""
-    import importlib  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from pallas_kernels.grouped_matmul import triton_launch  # noqa: PLC0415
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    probe = importlib.import_module("weight_grad_probe")
+    probe = _probe()
     for name, (bm, bn, bk, warps, stages, _) in probe.CANDIDATES:
         if not name.endswith("TMA store"):
             continue

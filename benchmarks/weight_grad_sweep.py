@@ -34,10 +34,11 @@ E, H, F = 48, 7168, 2048
 PALLAS_CONFIGS = [(64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
                   (128, 256, 128, 8, 2), (64, 128, 128, 4, 4), (128, 128, 64, 8, 4), (32, 128, 128, 4, 4),
                   (128, 128, 128, 8, 4), (64, 256, 64, 8, 4)]
-# (block_m, block_n, block_k, num_warps, num_stages): a stage holds 64 rows of dy and x (48 KB at
-# 128 + 256 columns). The kernel has no warp-specialized row loop (triton_weight_grad's docstring).
-NATIVE_CONFIGS = [(64, 128, 256, 8, 4), (64, 128, 256, 8, 3), (32, 128, 256, 8, 6), (64, 128, 128, 8, 5),
-                  (64, 256, 128, 8, 4)]
+# (block_m, block_n, block_k, num_warps, num_stages, programs per SM): a stage holds 64 rows of dy
+# and x (48 KB at 128 + 256 columns); two programs per SM where two fit the SM's 228 KB. The
+# kernel has no warp-specialized row loop (triton_weight_grad's docstring).
+NATIVE_CONFIGS = [(64, 128, 256, 8, 4, 1), (64, 128, 256, 8, 3, 1), (32, 128, 256, 8, 6, 1), (64, 128, 128, 4, 3, 2),
+                  (32, 128, 128, 4, 5, 2), (64, 128, 128, 8, 5, 1), (64, 256, 128, 8, 4, 1)]
 
 
 def main() -> None:
@@ -83,8 +84,10 @@ def main() -> None:
                     f = lambda: grouped_matmul_weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023, E731
                                                            out_dtype=jnp.bfloat16)
                 else:
+                    programs = c[5] * triton_weight_grad.sm_count()
                     f = lambda: triton_weight_grad.weight_grad(x, dy, gs, compute_capability=90,  # noqa: B023, E731
-                                                               out_dtype=jnp.bfloat16, tile=cfg)  # noqa: B023
+                                                               out_dtype=jnp.bfloat16, tile=cfg,  # noqa: B023
+                                                               num_programs=programs)  # noqa: B023
                 try:
                     got = f()
                     err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))

@@ -604,7 +604,8 @@ EXPERT_GEMM = Registry(
             name="triton",
             summary=("Triton-language NVFP4 kernels through jax-triton: W4A4 on the FP4 tensor cores (SM100, SM120), "
                      "W4A16 with in-register dequantization (SM80-SM90); differentiable on W4A16 (input-gradient "
-                     "kernel; qat masters' weight gradients through the Pallas kernel)"),
+                     "kernel; qat masters' weight gradients through the Pallas kernel); bf16 weights on SM90 "
+                     "(native tiles at prefill sizes, the weight gradient by TMA from 128 rows per expert)"),
             cannot_run=_triton_cannot_run,
             run=triton_expert_gemm,
         ),

@@ -21,10 +21,8 @@
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
-#   wgrad     the native weight gradient (rows by TMA, not dispatched) on the GPU: its Kimi-size
-#             tests against float64; the library kernel and the probe's flat candidates (epilogue
-#             inside the pipelined loop) beside the Pallas table tile and torch's _grouped_mm at
-#             32768 and 8192 rows; Nsight Compute of the table tiles and TMA stores (~480 s)
+#   wgrad     the native weight gradient (rows by TMA): its Kimi-size tests against float64, its
+#             tile sweep beside the Pallas table tile and torch at 32768 and 8192 rows (~300 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
@@ -98,12 +96,7 @@ case "$call" in
     ;;
   wgrad)
     step wgrad_tests 90 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kimi_size_gpu.py -k weight_grad
-    step wgrad_probe 240 python benchmarks/weight_grad_probe.py "$out/wgrad_probe.json" --rows 32768 8192
-    # each kernel launched twice (the first call compiles): read the second of each. Few metrics:
-    # with the stall sections 230 s did not reach torch's kernel
-    step ncu_wgrad 200 ncu --clock-control none --kernel-name regex:"grouped_weight_grad|_kernel$|cutlass|gemm|Gemm|sm90" \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,smsp__inst_issued.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-      --csv --page raw --log-file "$out/wgrad_raw.csv" python benchmarks/weight_grad_probe.py "$out/wgrad_once.json" --once --rows 32768
+    step wgrad_native 240 python benchmarks/weight_grad_sweep.py "$out/wgrad_native.json" --kernel native
     ;;
 esac
 exit $failed

@@ -46,7 +46,7 @@ import triton.language as tl
 from pallas_kernels.grouped_matmul import (
     PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
 )
-from pallas_kernels.grouped_matmul import triton_launch, tuning
+from pallas_kernels.grouped_matmul import triton_launch, triton_weight_grad, tuning
 from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
@@ -1245,15 +1245,29 @@ def _bf16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interp
                        transpose_w=True)
 
 
+def _bf16_weight_grad(x_mk, dy_mn, group_sizes_e, *, out_dtype, compute_capability: int,
+                      interpret: bool) -> jax.Array:
+    """``dy_e^T x_e``: :func:`.triton_weight_grad.weight_grad` (rows by TMA) from
+    :data:`.tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT` rows per expert on average, else the Pallas
+    kernel (the native kernel runs on a GPU only; Triton's interpreter runs it in
+    ``tests/interpreter/``)."""
+    if interpret or x_mk.shape[0] < tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT * group_sizes_e.shape[0]:
+        return PALLAS.weight_grad(x_mk, dy_mn, group_sizes_e, out_dtype=out_dtype,
+                                  compute_capability=compute_capability, interpret=interpret)
+    return triton_weight_grad.weight_grad(x_mk, dy_mn, group_sizes_e, out_dtype=out_dtype,
+                                          compute_capability=compute_capability)
+
+
 #: bf16 weights as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM90, the
 #: capabilities of :data:`BF16_TILES`): the forward GEMMs at prefill sizes through
 #: :func:`bf16_matmul` (~170 rows per expert fill 192 MMA rows, not two 128-row tiles; rows read
 #: by index; 256-row tiles from :data:`BF16_MANY_ROWS_PER_EXPERT`), decode sizes through the
 #: Pallas kernels; the input gradient through :func:`bf16_matmul` at many rows per expert, else
 #: the Pallas kernel (as fast as the native table tiles at the training shape: 609 and 612 TFLOP/s
-#: against 594-601, benchmarks/results/prefill_h200/); the weight gradient the Pallas kernel's.
+#: against 594-601, benchmarks/results/prefill_h200/); the weight gradient by
+#: :func:`_bf16_weight_grad` (rows by TMA from 128 rows per expert on average).
 BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward, matmul=_bf16_matmul,
-                       input_grad=_bf16_input_grad, weight_grad=PALLAS.weight_grad,
+                       input_grad=_bf16_input_grad, weight_grad=_bf16_weight_grad,
                        forward_reads_rows_by_index=True)
 
 

@@ -7,26 +7,36 @@ and a persistent pointer-loading twin reached 495-512 TFLOP/s against ``torch._g
 570-588 (``benchmarks/results/train_step_h100/2f15176/``), and the twin showed that per-tile
 fixed costs (pipeline fill, epilogue) were not the gap: the steady-state loop was, where every
 thread computes and masks its ``cp.async`` addresses and a CTA barrier ends each row step. Here
-each output tile makes two device-side tensor descriptors bounded at its expert's last row, so
+each expert's rows are read through two device-side tensor descriptors bounded at its last row, so
 TMA reads zeros past it: no mask, no address arithmetic per element, and no row of another
 expert is read (a non-finite row reaches its own expert's gradient only).
 
-Work split. One program per SM walks output tiles ``p, p + P, ...``, numbered expert-major with
-the column tiles innermost, so the programs that run at once share an expert's rows in L2. It
-walks them expert by expert and makes each expert's two descriptors once. Made per tile (as first
-built; each is written to global memory with a fence, between CTA barriers) they cost 6-8% of the
-kernel's time at 683 rows per expert and left it slower than the Pallas kernel; made per expert,
-it is 3-4% faster than the Pallas kernel there, 17-26% slower at 171 rows per expert (one H100,
-``benchmarks/results/weight_grad_h100/0d0c3dd_schedules/``). Each tile's row steps are the
-inner, software-pipelined loop (Triton 3.6 cannot pipeline a loop that makes descriptors). An
-expert without rows runs no step: its tiles are written as zeros, so every output element is
-written. Descriptor coordinates are 32-bit rows (the largest published shapes have ~2**19); the
-output offset of an expert is 64-bit (384 experts x 4096 x 7168 elements pass 2**31).
+Work split. Persistent programs (one or two per SM, ``tuning.NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM``)
+walk output tiles ``p, p + P, ...``, numbered expert-major with the column tiles innermost, so the
+programs that run at once share an expert's rows in L2. A program walks them expert by expert and
+makes each expert's two descriptors once: made per tile (as first built; each is written to
+global memory with a fence, between CTA barriers) they cost 6-8% of the kernel's time at 683 rows
+per expert. Within an expert, the program's tiles and their row steps are one software-pipelined
+loop (Triton 3.6 cannot pipeline a loop that makes descriptors, nor fuse a tile loop with a row
+loop whose bounds are the expert's rows, so it is written out by hand), the epilogue under ``if``
+on a tile's last step: the next tile's first rows load while a tile's result is stored, where a
+loop per tile drains and refills its pipeline (~11 row steps at 683 rows per expert). On one H100
+at 48 experts that is 5% under the Pallas kernel at 683 rows per expert (gate/up 3.81 against
+3.99 ms, down 2.09 against 2.20), where a loop per tile was 3% under it and 1% over, and at
+171 rows per expert, with 128 x 128 output tiles on 4 warps two programs per SM, 8% and 2% under
+it (1.79 against 1.94, 1.11 against 1.13), where a loop per tile was 1% under and 6% over
+(``benchmarks/results/weight_grad_h100/0045dd2_probe/``; ``torch._grouped_mm`` 3.08/1.63 and
+1.36/0.79 in the same run). An expert without rows takes one step per tile and stores zeros, so
+every output element is written. Descriptor coordinates are 32-bit rows (the largest published
+shapes have ~2**19); the output offset of an expert is 64-bit (384 experts x 4096 x 7168 elements
+pass 2**31).
 
-No warp-specialized row loop: Triton 3.6's (``tl.range(warp_specialize=True)``) compiled for this
-kernel fails on an H100, with an illegal instruction through :func:`.triton_launch.call`, and
-through Triton's own launcher with wrong output or an illegal memory access
-(``benchmarks/results/weight_grad_h100/``).
+No TMA store: through a descriptor over the output, with its 64 KB staging buffer, it was 3-10%
+slower at every tile tried (same results). No warp-specialized row loop: Triton 3.6's
+(``tl.range(warp_specialize=True)``) compiled for the loop per tile failed on an H100, with an
+illegal instruction through :func:`.triton_launch.call`, and through Triton's own launcher with
+wrong output or an illegal memory access (``benchmarks/results/weight_grad_h100/``); on this loop
+it does not specialize at all (the same 4 warps, no ``setmaxnreg``).
 
 Dimension letters: ``m`` rows, ``n`` the cotangent's columns (the weight's rows), ``k`` the
 input's columns, ``e`` experts, ``p`` programs.
@@ -51,30 +61,15 @@ DEFAULT_PROGRAMS = 132
 
 
 @triton.jit
-def expert_rows(starts_ptr, ends_ptr, x_ptr, dy_ptr, expert, pid, programs, K: tl.constexpr, N: tl.constexpr,
-                PER_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``(start, end, dy_desc, x_desc, first)`` of ``expert`` for this program: its rows
-    ``[start, end)``, the two descriptors of its rows, and the program's first of its
-    ``PER_EXPERT`` tiles (tile ``t`` of the whole grid is program ``t mod programs``'s)."""
-    start = tl.load(starts_ptr + expert)
-    end = tl.load(ends_ptr + expert)
-    # Bounded at the expert's last row, so TMA reads zeros past it; at least one row, as a
-    # descriptor needs (an expert without rows runs no step).
-    rows = tl.maximum(end, 1)
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    first = (pid + programs - (expert * PER_EXPERT) % programs) % programs
-    return start, end, dy_desc, x_desc, first
-
-
-@triton.jit
 def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr,
             NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NUM_STAGES: tl.constexpr):
     """Program ``p`` takes output tiles ``t = p mod P``: tile ``t`` is expert ``t // (N/BLOCK_N *
     K/BLOCK_K)``'s ``[BLOCK_N, BLOCK_K]`` tile (column tiles innermost), summed over the expert's
-    rows ``[starts_ptr[e], ends_ptr[e])`` in steps of ``BLOCK_M``; experts in order, each one's
-    descriptors made once.
+    rows ``[starts_ptr[e], ends_ptr[e])`` in steps of ``BLOCK_M``. Experts in order, each one's
+    descriptors made once; then the program's tiles of the expert and their row steps as one
+    pipelined loop: step ``i`` is row step ``i % steps`` of the program's tile ``i // steps``, and
+    on a tile's last step its result is stored and the accumulator restarts.
 
     ``x_ptr`` bf16 ``[M, K]``; ``dy_ptr`` bf16 ``[M, N]``; ``out_ptr`` ``[E, N, K]`` (bf16 or
     float32), every element written (``out_in_ptr`` is the same buffer when the caller passed one
@@ -87,17 +82,34 @@ def _kernel(starts_ptr, ends_ptr, x_ptr, dy_ptr, out_in_ptr, out_ptr, K: tl.cons
     local_n = tl.arange(0, BLOCK_N)
     local_k = tl.arange(0, BLOCK_K)
     for expert in range(NUM_EXPERTS):
-        start, end, dy_desc, x_desc, first = expert_rows(starts_ptr, ends_ptr, x_ptr, dy_ptr, expert, pid, programs,
-                                                         K, N, PER_EXPERT, BLOCK_M, BLOCK_N, BLOCK_K)
-        for local in range(first, PER_EXPERT, programs):
+        start = tl.load(starts_ptr + expert)
+        end = tl.load(ends_ptr + expert)
+        # Bounded at the expert's last row, so TMA reads zeros past it; at least one row, as a
+        # descriptor needs.
+        rows = tl.maximum(end, 1)
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        first = (pid + programs - (expert * PER_EXPERT) % programs) % programs  # tile t is program t mod P's
+        tiles = (PER_EXPERT - first + programs - 1) // programs
+        # An expert without rows still takes one step per tile, so every tile is written: its rows
+        # read as zeros past the bound, except when it ends at row 0, where the descriptor's one
+        # row is another expert's; the stored value is selected to zero (not multiplied: a
+        # non-finite row there stays out).
+        steps = tl.maximum((end - start + BLOCK_M - 1) // BLOCK_M, 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for i in tl.range(0, tiles * steps, num_stages=NUM_STAGES):
+            tile = i // steps
+            step = i - tile * steps
+            local = first + tile * programs
             n_start = (local // K_TILES) * BLOCK_N
             k_start = (local % K_TILES) * BLOCK_K
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-            for row in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES):
-                acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
-            out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
-                      + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
-            tl.store(out_at, acc.to(out_ptr.dtype.element_ty))
+            row = start + step * BLOCK_M
+            acc = tl.dot(tl.trans(dy_desc.load([row, n_start])), x_desc.load([row, k_start]), acc)
+            if step == steps - 1:
+                out_at = (out_ptr + tl.cast(expert, tl.int64) * (N * K)
+                          + ((n_start + local_n)[:, None] * K + (k_start + local_k)[None, :]))
+                tl.store(out_at, tl.where(end > start, acc, 0.0).to(out_ptr.dtype.element_ty))
+                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,24 +142,25 @@ class Spec(pallas_triton.WeightGradSpec):
 
 def make_spec(*, num_rows: int, num_experts: int, n: int, k: int, compute_capability: int, out_dtype,
               tile: TileConfig | None = None, num_programs: int | None = None) -> Spec:
-    """The launch for these shapes: the capability's tile (``tuning.NATIVE_WEIGHT_GRAD_TILES``)
-    unless ``tile``; ``num_programs`` programs (:func:`sm_count` when not given), at most one per
-    output tile."""
+    """The launch for these shapes: the capability's tile and programs per SM
+    (:func:`.tuning.native_weight_grad_tile`) unless ``tile`` (then one program per SM);
+    ``num_programs`` programs when given, else that many per SM (:func:`sm_count`); at most one
+    per output tile."""
     if compute_capability not in tuning.NATIVE_WEIGHT_GRAD_TILES:
         raise ValueError(f"compute_capability: {compute_capability}, expected one of "
                          f"{sorted(tuning.NATIVE_WEIGHT_GRAD_TILES)} (the kernel loads its rows by TMA, SM90 and "
                          "above; below, the Pallas kernel grouped_matmul_weight_grad)")
+    per_sm = 1
     if tile is None:
-        tile = tuning.choose_weight_grad_tile(num_rows=num_rows, num_experts=num_experts,
-                                              compute_capability=compute_capability,
-                                              table=tuning.NATIVE_WEIGHT_GRAD_TILES)
+        tile, per_sm = tuning.native_weight_grad_tile(num_rows=num_rows, num_experts=num_experts,
+                                                      compute_capability=compute_capability)
     if num_programs is not None and (type(num_programs) is not int or num_programs < 1):
         raise ValueError(f"num_programs: {num_programs!r}, expected a positive int (programs of the persistent grid)")
     block_n = tuning.fit_block(tile.block_n, n, N_MULTIPLE)
     block_k = tuning.fit_block(tile.block_k, k, N_MULTIPLE)
     tiles = num_experts * (n // block_n) * (k // block_k)
     return Spec(config=tile, num_experts=num_experts, num_rows=num_rows, n=n, k=k, block_n=block_n, block_k=block_k,
-                num_programs=min(num_programs or sm_count(), tiles), out_dtype=np.dtype(out_dtype),
+                num_programs=min(num_programs or per_sm * sm_count(), tiles), out_dtype=np.dtype(out_dtype),
                 capability=compute_capability)
 
 
@@ -174,7 +187,7 @@ def weight_grad(x_mk, dy_mn, group_sizes_e, *, compute_capability: int, out_dtyp
       out: optional ``[E, N, K]`` buffer of ``out_dtype`` aliased into the output (every element
         is written).
       tile: overrides the table (benchmark sweeps).
-      num_programs: the persistent grid (default: :func:`sm_count`, one program per SM).
+      num_programs: the persistent grid (default: the tile's programs per SM times :func:`sm_count`).
       interpret: must be False (a ``Backend``'s ``weight_grad`` takes it): the kernel runs on a
         GPU; Triton's interpreter runs it in ``tests/interpreter/``.
 
@@ -215,5 +228,5 @@ def signature(spec: Spec) -> dict[str, str]:
     return {**_pointer_types(spec), **{name: "constexpr" for name in spec.constexprs()}}
 
 
-__all__ = ["DEFAULT_PROGRAMS", "Spec", "expert_rows", "kernel_function", "launch", "make_spec", "signature", "sm_count",
+__all__ = ["DEFAULT_PROGRAMS", "Spec", "kernel_function", "launch", "make_spec", "signature", "sm_count",
            "weight_grad"]

@@ -185,18 +185,27 @@ WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
     120: (prefill_tile(32, 64, 128, 4, 3, group_t=1), prefill_tile(32, 64, 128, 4, 3, group_t=1)),
 }
 # The same for the Triton-language kernel whose rows arrive by TMA (``triton_weight_grad``, SM90
-# and above): its pipeline keeps ``num_stages`` row buffers (48 KB a stage at 64 x (128 + 256)),
-# so the SM90/SM100 many-rows tile has 4 stages (196 KB); SM120's fits its 99 KB. SM90's
-# many-rows tile measured on an H100 at 48 experts x 32768 rows: 3.54 and 1.89 ms for gate/up and
-# down, as fast as 32-row steps with 6 stages, 3-4% under the Pallas kernel's table tile
-# (benchmarks/results/weight_grad_h100/0d0c3dd_schedules/); the others cross-compiled in CI only.
+# and above), with the programs per SM of each (its persistent grid): its pipeline keeps
+# ``num_stages`` row buffers (48 KB a stage at 64 x (128 + 256)), so the SM90/SM100 many-rows tile
+# has 4 stages (196 KB) and one program per SM; the few-rows tile, 128 x 128 outputs on 4 warps
+# with 3 stages (106 KB), runs two per SM in the 228 KB an SM has, so one program's loads and MMAs
+# run while the other stores. Measured on an H100 at 48 experts, the fastest of the tiles tried at
+# 683 and at 171 rows per expert respectively: 5% and 2-8% under the Pallas kernel's table tile
+# (benchmarks/results/weight_grad_h100/0045dd2_probe/); SM100's and SM120's cross-compiled in CI
+# only (SM120's fits its 99 KB).
 NATIVE_WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
-    90: (prefill_tile(64, 128, 128, 8, 5, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
-    100: (prefill_tile(64, 128, 128, 8, 5, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
+    90: (prefill_tile(64, 128, 128, 4, 3, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
+    100: (prefill_tile(64, 128, 128, 4, 3, group_t=1), prefill_tile(64, 128, 256, 8, 4, group_t=1)),
     120: (prefill_tile(32, 64, 128, 4, 4, group_t=1), prefill_tile(32, 64, 128, 4, 4, group_t=1)),
 }
+NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM: dict[int, tuple[int, int]] = {90: (2, 1), 100: (2, 1), 120: (1, 1)}
 #: Rows per expert (on average) from which the weight gradient takes the second tile of its pair.
 WEIGHT_GRAD_MANY_ROWS = 512
+#: Rows per expert (on average) from which the bf16 backend (``triton_lang.BF16_BACKEND``) takes
+#: the native weight gradient over the Pallas kernel: it was faster at 171 and 683
+#: (benchmarks/results/weight_grad_h100/0045dd2_probe/); with fewer, a tile is one or two row
+#: steps, unmeasured, so the Pallas kernel keeps them.
+NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT = 128
 
 
 def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int,
@@ -207,6 +216,17 @@ def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capabili
     check_capability(compute_capability)
     few, many = table[compute_capability]
     return many if num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts else few
+
+
+def native_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int) -> tuple[TileConfig, int]:
+    """``(tile, programs per SM)`` of the native weight gradient (``triton_weight_grad``): the
+    second of :data:`NATIVE_WEIGHT_GRAD_TILES`' pair and of
+    :data:`NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM`'s from :data:`WEIGHT_GRAD_MANY_ROWS` rows per expert
+    on average, as :func:`choose_weight_grad_tile` picks."""
+    check_capability(compute_capability)
+    many = num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts
+    return (NATIVE_WEIGHT_GRAD_TILES[compute_capability][many],
+            NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM[compute_capability][many])
 
 
 # The NVFP4 input gradient ``dy @ W_e`` through one bf16 copy of the weights: an XLA pass

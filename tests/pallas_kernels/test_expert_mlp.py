@@ -162,7 +162,8 @@ def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows)
 def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows):
     """``triton_lang.BF16_BACKEND``: the native bf16 tiles forward, the input gradients through the
     Pallas kernel at few rows per expert and the native kernel's many-rows tile at many
-    (``BF16_MANY_ROWS_PER_EXPERT``), the Pallas weight gradient."""
+    (``BF16_MANY_ROWS_PER_EXPERT``), the weight gradient likewise (the Pallas kernel, then from
+    ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA)."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.BF16_TILES:
@@ -172,6 +173,8 @@ def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows)
     if rows == "many_rows":
         assert triton_lang.bf16_many_rows_tile(triton_lang.Op.MATMUL, num_rows=sum(groups) + 37, num_experts=8,
                                                compute_capability=cc, transpose_w=True) is not None
+    native_dw = sum(groups) + 37 >= tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT * len(groups)
+    assert native_dw == (rows == "many_rows")  # which weight gradient each case runs
     _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
            backend=triton_lang.BF16_BACKEND, compute_capability=cc)
 

@@ -7,10 +7,7 @@ argument checks. The kernel itself runs against float64 in
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +15,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("triton")
-from pallas_kernels import crosscompile as compile_any  # noqa: E402
 from pallas_kernels.grouped_matmul import (  # noqa: E402
     crosscompile, triton_launch, triton_weight_grad, tuning,
 )
@@ -32,20 +28,29 @@ MMA = {
 }
 
 
-def _probe():
-    """``benchmarks/weight_grad_probe.py``, the candidates queued for a GPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    return importlib.import_module("weight_grad_probe")
-
-
-def test_the_grid_is_one_program_per_sm_at_most_one_per_tile():
+def test_the_grid_is_the_tile_s_programs_per_sm_at_most_one_per_tile():
     spec = triton_weight_grad.make_spec(num_rows=10, num_experts=2, n=32, k=64, compute_capability=90,
                                         out_dtype=np.float32, tile=SMALL, num_programs=1000)
     assert spec.num_programs == spec.num_tiles == 2
-    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
-                                        out_dtype=np.float32)
-    assert spec.num_programs == triton_weight_grad.DEFAULT_PROGRAMS
-    assert spec.config == tuning.NATIVE_WEIGHT_GRAD_TILES[90][1]
+    for rows, tile, per_sm in ((32768, 1, 1), (8192, 0, 2)):  # 683 and 171 rows per expert
+        spec = triton_weight_grad.make_spec(num_rows=rows, num_experts=48, n=4096, k=7168, compute_capability=90,
+                                            out_dtype=np.float32)
+        assert spec.config == tuning.NATIVE_WEIGHT_GRAD_TILES[90][tile]
+        assert spec.num_programs == per_sm * triton_weight_grad.DEFAULT_PROGRAMS
+    spec = triton_weight_grad.make_spec(num_rows=8192, num_experts=48, n=4096, k=7168, compute_capability=90,
+                                        out_dtype=np.float32, tile=SMALL)
+    assert spec.num_programs == triton_weight_grad.DEFAULT_PROGRAMS  # a tile of one's own: one per SM
+
+
+def test_two_programs_of_the_few_rows_tile_fit_an_sm():
+    """The few-rows tile runs two programs per SM on SM90 and SM100: both blocks' shared memory
+    within the SM's 228 KB (1 KB of it reserved per block), and registers for both (4 warps)."""
+    for cc in (90, 100):
+        assert tuning.NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM[cc] == (2, 1)
+        kernel = crosscompile.compile_weight_grad(cc, n=7168, k=2048, rows=8192, experts=48)
+        assert 2 * (kernel.shared_bytes + 1024) <= 228 * 1024, (cc, kernel.shared_bytes)
+        warps = tuning.NATIVE_WEIGHT_GRAD_TILES[cc][0].num_warps
+        assert 0 < 2 * warps * 32 * kernel.registers <= 65536, (cc, warps, kernel.registers)
 
 
 @pytest.mark.parametrize("cc", sorted(MMA))
@@ -90,15 +95,24 @@ def test_sm90_pipelines_the_row_loads_around_the_asynchronous_mma():
     assert re.search(r"ttng\.warp_group_dot .*isAsync = true", kernel.ttgir)
 
 
-def test_descriptors_are_made_once_per_expert_not_per_tile():
-    """A program walks the experts (outer loop), then its tiles of each (middle), then the tile's
-    row steps (inner): the two descriptors are made between the first loop and the second, once
-    per expert it visits; made per tile they cost 6-8% of the kernel on an H100."""
-    ttgir = crosscompile.compile_weight_grad(90, n=4096, k=7168, rows=32768, experts=48).ttgir
-    loops = [m.start() for m in re.finditer(r"scf\.for ", ttgir)]
-    creates = [m.start() for m in re.finditer(r"ttng\.tensormap_create ", ttgir)]
-    assert len(loops) >= 3 and len(creates) == 2, (len(loops), len(creates))
-    assert loops[0] < creates[0] < creates[1] < loops[1]
+def test_descriptors_are_made_once_per_expert_and_the_store_is_inside_the_pipelined_loop():
+    """Two loops: the experts, then a program's tiles of the expert and their row steps as one.
+    The two descriptors are made between them, once per expert a program visits (made per tile
+    they cost 6-8% of the kernel on an H100); the rows' TMA loads and the store, under the
+    last-step ``if``, are inside the second, so the next tile's loads can be in flight while a
+    tile is stored."""
+    for cc in sorted(MMA):
+        ttgir = crosscompile.compile_weight_grad(cc, n=4096, k=7168, rows=32768, experts=48).ttgir
+        loops = [m.start() for m in re.finditer(r"scf\.for ", ttgir)]
+        creates = [m.start() for m in re.finditer(r"ttng\.tensormap_create ", ttgir)]
+        loads = [m.start() for m in re.finditer(r"ttng\.async_tma_copy_global_to_local|tt\.descriptor_load", ttgir)]
+        stores = [m.start() for m in re.finditer(r"tt\.store ", ttgir)]
+        guards = [m.start() for m in re.finditer(r"scf\.if ", ttgir)]
+        assert len(loops) == 2 and len(creates) == 2, (cc, len(loops), len(creates))
+        assert loops[0] < creates[0] < creates[1] < loops[1], cc
+        assert any(at > loops[1] for at in loads), cc  # the first stages load before it (the prologue)
+        assert stores and all(at > loops[1] for at in stores), cc
+        assert any(loops[1] < at < stores[0] for at in guards), cc
 
 
 def test_offsets_past_int32_use_64_bit_bases():
@@ -142,45 +156,3 @@ def test_the_launch_passes_a_global_scratch_and_checks_its_operands():
     x = jnp.ones((8, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^operands: 2, expected 4 \(the kernel's pointer arguments before its output\)$"):
         triton_launch.call(spec.launch(), x, x, out_shape=jax.ShapeDtypeStruct((1, 1), jnp.bfloat16))
-
-
-@pytest.mark.parametrize("cc", sorted(MMA))
-def test_the_flat_probe_candidate_stores_inside_its_pipelined_loop(cc):
-    """``benchmarks/weight_grad_probe.py``'s ``flat`` candidate (queued for a GPU): two loops (the
-    experts, then a program's tiles and row steps as one), the chip's MMA on TMA-loaded rows inside
-    the second, and the store under its last-step ``if`` inside it too, so the next tile's loads
-    can be in flight during it; within the shared memory, no spills (SM120: the one zero slot)."""
-    probe = _probe()
-    target, mma = MMA[cc]
-    spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=cc,
-                                        out_dtype="bfloat16")
-    kernel = compile_any.compile_jit(probe._flat_kernel, signature=triton_weight_grad.signature(spec),
-                                       constexprs={**spec.constexprs(), "TMA_STORE": False}, capability=cc,
-                                       num_warps=spec.config.num_warps, num_stages=spec.config.num_stages,
-                                       name="flat_weight_grad")
-    loops = [m.start() for m in re.finditer(r"scf\.for ", kernel.ttgir)]
-    loads = [m.start() for m in re.finditer(r"ttng\.async_tma_copy_global_to_local", kernel.ttgir)]
-    stores = [m.start() for m in re.finditer(r"tt\.store ", kernel.ttgir)]
-    guards = [m.start() for m in re.finditer(r"scf\.if ", kernel.ttgir)]
-    assert len(loops) == 2 and kernel.target == target and re.search(mma, kernel.ptx)
-    assert any(at > loops[1] for at in loads) and stores and all(at > loops[1] for at in stores)
-    assert any(loops[1] < at < stores[0] for at in guards)
-    assert 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[cc]
-    assert kernel.spill_bytes <= (8 if cc == 120 else 0)
-
-
-def test_the_flat_probe_candidate_s_tma_store_fits_the_shared_memory():
-    """``flat`` storing through TMA on SM90: one bulk store from shared memory per tile (no
-    per-thread ``st.global``) and, at the probe's tiles, the staging buffer beside the row stages
-    within the 227 KB a block may have (at 4 stages of 64 rows it would need 256 KB)."""
-    probe = _probe()
-    for name, (bm, bn, bk, warps, stages, _) in probe.CANDIDATES:
-        if not name.endswith("TMA store"):
-            continue
-        tile = TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_t=1)
-        spec = triton_weight_grad.make_spec(num_rows=32768, num_experts=48, n=4096, k=7168, compute_capability=90,
-                                            out_dtype="bfloat16", tile=tile)
-        compiled = triton_launch.compile_launch(probe.flat_launch(spec, tma_store=True))
-        ptx = compiled.asm["ptx"]
-        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx) and "st.global" not in ptx, tile
-        assert compiled.metadata.shared <= SHARED_MEMORY_BYTES[90], (tile, compiled.metadata.shared)

@@ -297,24 +297,30 @@ def native_weight_grad(cc: int):
     return lambda a, b, g: triton_weight_grad.weight_grad(a, b, g, compute_capability=cc, out_dtype=jnp.bfloat16)
 
 
-#: Steps with the other weight gradient than their backend dispatches at this shape: the step's
-#: impl -> (the backend whose other kernels it keeps, the weight gradient: "native" is
-#: ``triton_weight_grad``'s, rows by TMA; "pallas" the Pallas kernel's). ``BF16_BACKEND`` runs the
-#: native one from ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` rows per expert, so "triton"
-#: there is its step.
-SWAPPED_DW_STEPS = {"pallas, native dW": ("PALLAS", "native"), "triton, Pallas dW": ("BF16_BACKEND", "pallas")}
+#: Steps with one part other than their backend dispatches at this shape: the step's impl ->
+#: (the backend whose other kernels it keeps, the part, its replacement). Weight gradients:
+#: "native" is ``triton_weight_grad``'s (rows by TMA), "pallas" the Pallas kernel's
+#: (``BF16_BACKEND`` runs the native one from ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` rows
+#: per expert, so "triton" there is its step); the input gradient's padding rows: "select" is
+#: XLA's select over every row (``BF16_BACKEND`` zeroes them with ``triton_padding_rows``; the
+#: benchmark's rows have none, so the difference is the select's pass).
+SWAPPED_STEPS = {"pallas, native dW": ("PALLAS", "weight_grad", "native"),
+                 "triton, Pallas dW": ("BF16_BACKEND", "weight_grad", "pallas"),
+                 "triton, padding select": ("BF16_BACKEND", "zero_padding_rows", "select")}
 
 
-def swapped_dw_apply(impl: str, cc: int):
+def swapped_apply(impl: str, cc: int):
     """``apply(x, weights, group_sizes)`` of the bf16 expert MLP through ``expert_mlp`` with
-    :data:`SWAPPED_DW_STEPS`' backend and weight gradient."""
+    :data:`SWAPPED_STEPS`' backend and part."""
     import pallas_kernels.grouped_matmul as gmm  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import triton_lang, triton_weight_grad  # noqa: PLC0415
 
-    name, dw = SWAPPED_DW_STEPS[impl]
+    name, part, which = SWAPPED_STEPS[impl]
     base = gmm.PALLAS if name == "PALLAS" else getattr(triton_lang, name)
-    weight_grad = triton_weight_grad.weight_grad if dw == "native" else gmm.PALLAS.weight_grad
-    backend = base._replace(name=f"{base.name}, {dw} weight gradient", weight_grad=weight_grad)
+    replacement = {("weight_grad", "native"): triton_weight_grad.weight_grad,
+                   ("weight_grad", "pallas"): gmm.PALLAS.weight_grad,
+                   ("zero_padding_rows", "select"): None}[(part, which)]
+    backend = base._replace(name=f"{base.name}, {which} {part}", **{part: replacement})
     return lambda x, weights, g: gmm.expert_mlp(x, g, weights["w_gate_up_egh"], weights["w_down_ehf"],
                                                 backend=backend, compute_capability=cc)
 
@@ -483,13 +489,13 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
     # ``triton``: the native kernels (NVFP4: W4A16; bf16: BF16_BACKEND's forward GEMMs at prefill sizes,
     # its input and weight gradients at many rows per expert); where they cannot run, their row says why.
     native = case.fmt == "bf16" and not ctx.interpret and not isinstance(plans.get("triton"), Exception)
-    swapped_dw = tuple(SWAPPED_DW_STEPS) if native else ()
-    for impl in ("pallas",) + (("triton",) if "triton" in plans else ()) + swapped_dw:
+    swapped = tuple(SWAPPED_STEPS) if native else ()
+    for impl in ("pallas",) + (("triton",) if "triton" in plans else ()) + swapped:
         row = {**base, "impl": impl, "reference": "dense"}
         out.append(row)
         try:
-            if impl in SWAPPED_DW_STEPS:
-                fn = cached(("step", impl), lambda: vjp_step(swapped_dw_apply(impl, ctx.cc), True))  # noqa: B023
+            if impl in SWAPPED_STEPS:
+                fn = cached(("step", impl), lambda: vjp_step(swapped_apply(impl, ctx.cc), True))  # noqa: B023
             else:
                 fn = registered_step(impl, case, plans)
             result, row["compile_s"] = compile_and_run(fn, args)

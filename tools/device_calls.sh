@@ -14,9 +14,10 @@
 #             (sort, padded for XLA's TopK kernel, k argmaxes) (~500 s)
 #   probes    the W4A8 probe at 65536 and 8192 rows against the table kernels and the dense anchor,
 #             then on irregular routing (every tile kind and its edges) (~300 s)
-#   training  the bf16 training step and its GEMMs with the native weight gradient beside the
-#             Pallas kernel and torch, each step's kernels by time (--profile), then the native
-#             weight gradient's tile sweep (~500 s)
+#   training  the bf16 training step and its GEMMs beside torch, with the steps that swap one part
+#             (the weight gradient: native or Pallas; the input gradient's padding rows: kernel or
+#             XLA's select), each step's kernels by time (--profile), then the native weight
+#             gradient's tile sweep (~500 s)
 #   w4a8      the Kimi K2 layer with and without W4A8 at prefill (prefill_activations='fp8') beside
 #             torch's bf16 layer, then where the 8192-token layer's time goes both ways (~400 s)
 #   ncu       Nsight Compute of the down projection at 65536 rows: the table kernel, the probe's

@@ -65,7 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Backend", "check_row_token", "expert_mlp", "is_nvfp4", "row_experts", "swiglu", "token_rows"]
+__all__ = ["Backend", "check_row_token", "defined_rows", "expert_mlp", "is_nvfp4", "row_experts", "swiglu", "token_rows",
+           "zero_padding_rows"]
 
 
 class Backend(NamedTuple):
@@ -83,6 +84,9 @@ class Backend(NamedTuple):
         ``dy_e^T x_e``.
       forward_reads_rows_by_index: whether ``forward`` also takes ``row_token_m`` (keyword): then
         ``x`` is ``[T, H]`` and row ``m`` reads ``x[row_token_m[m]]`` (see :func:`expert_mlp`).
+      zero_padding_rows: ``(x_mh, group_sizes_e) -> [M, H]``: :func:`zero_padding_rows`'s result
+        by a kernel that writes only the padding rows, in place; None: that function (XLA's
+        select over every row).
     """
 
     name: str
@@ -91,6 +95,20 @@ class Backend(NamedTuple):
     input_grad: Callable
     weight_grad: Callable
     forward_reads_rows_by_index: bool = False
+    zero_padding_rows: Callable | None = None
+
+
+def defined_rows(group_sizes_e) -> jax.Array:
+    """int32 scalar: the rows the experts own, ``sum(max(group_sizes_e, 0))``; from it on, rows
+    are padding."""
+    return jnp.sum(jnp.maximum(group_sizes_e, 0))
+
+
+def zero_padding_rows(x_mh, group_sizes_e) -> jax.Array:
+    """``x_mh`` ``[M, H]`` with its padding rows (:func:`defined_rows` on) set to zero: XLA's
+    select over every row, fused into a consumer where there is one."""
+    defined_m = jnp.arange(x_mh.shape[0]) < defined_rows(group_sizes_e)
+    return jnp.where(defined_m[:, None], x_mh, 0)
 
 
 class _NVFP4(NamedTuple):
@@ -240,9 +258,12 @@ def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, 
     dx_mh = backend.input_grad(_per_half(dh_mg, half_scales_m2).astype(jnp.bfloat16), w_one, group_sizes_e,
                                **kernel_args)
     # Padding rows have no defined output, so no gradient: zero them rather than pass on
-    # whatever the kernels left there.
-    defined_m = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes_e, 0))
-    dx_mh = jnp.where(defined_m[:, None], dx_mh, 0)
+    # whatever the kernels left there. Rows read by index are summed into their tokens below,
+    # where XLA fuses the select into the sum; else the backend's kernel where it has one.
+    if row_token_m is None and backend.zero_padding_rows is not None:
+        dx_mh = backend.zero_padding_rows(dx_mh, group_sizes_e, **kernel_args)
+    else:
+        dx_mh = zero_padding_rows(dx_mh, group_sizes_e)
 
     def weight_grad(trainable, rows_mk, dy_mn):
         if trainable is None:

@@ -87,11 +87,12 @@ def zero_padding_rows(x_mh, group_sizes_e, *, compute_capability: int, interpret
       ValueError: naming the argument, for a bad shape or dtype.
     """
     triton_launch.not_interpreted(interpret)
-    if x_mh.ndim != 2 or np.dtype(x_mh.dtype) not in _TRITON_TYPES or 0 in x_mh.shape:
-        raise ValueError(f"x_mh: {x_mh.dtype}{list(x_mh.shape)}, expected [M, H] of bfloat16, float16 or float32, "
-                         "M, H >= 1")
+    if x_mh.ndim != 2 or np.dtype(x_mh.dtype) not in _TRITON_TYPES:
+        raise ValueError(f"x_mh: {x_mh.dtype}{list(x_mh.shape)}, expected [M, H] of bfloat16, float16 or float32")
     if group_sizes_e.ndim != 1 or group_sizes_e.dtype != jnp.int32:
         raise ValueError(f"group_sizes_e: {group_sizes_e.dtype}{list(group_sizes_e.shape)}, expected int32 [E]")
+    if x_mh.size == 0:  # no rows (a device without any under EP) or no columns: nothing to zero
+        return x_mh
     return _launch(x_mh, defined_rows(group_sizes_e).reshape(1), compute_capability)
 
 

@@ -52,7 +52,6 @@ def test_bad_input_gets_one_line_naming_the_argument():
     cases = [
         (dict(x_mh=jnp.ones((10,), jnp.bfloat16)), r"^x_mh: bfloat16\[10\], expected \[M, H\] of bfloat16"),
         (dict(x_mh=jnp.ones((10, 64), jnp.int32)), r"^x_mh: int32\[10, 64\], expected \[M, H\] of bfloat16"),
-        (dict(x_mh=jnp.ones((0, 64), jnp.bfloat16)), r"^x_mh: bfloat16\[0, 64\], expected .* M, H >= 1$"),
         (dict(group_sizes_e=sizes.astype(jnp.float32)), r"^group_sizes_e: float32\[2\], expected int32 \[E\]$"),
         (dict(interpret=True), r"^interpret: True, expected False"),
     ]
@@ -60,6 +59,8 @@ def test_bad_input_gets_one_line_naming_the_argument():
         args = dict(x_mh=x, group_sizes_e=sizes, compute_capability=90) | change
         with pytest.raises(ValueError, match=message):
             triton_padding_rows.zero_padding_rows(**args)
+    empty = jnp.ones((0, 64), jnp.bfloat16)  # no rows: nothing to zero, no launch
+    assert triton_padding_rows.zero_padding_rows(empty, sizes, compute_capability=90) is empty
 
 
 def _gpu_capability() -> int:

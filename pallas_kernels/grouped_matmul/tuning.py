@@ -186,10 +186,11 @@ WEIGHT_GRAD_TILES: dict[int, tuple[TileConfig, TileConfig]] = {
 }
 # The same for the Triton-language kernel whose rows arrive by TMA (``triton_weight_grad``, SM90
 # and above), with the programs per SM of each (its persistent grid): its pipeline keeps
-# ``num_stages`` row buffers (48 KB a stage at 64 x (128 + 256)), so the SM90/SM100 many-rows tile
-# has 4 stages (196 KB) and one program per SM; the few-rows tile, 128 x 128 outputs on 4 warps
-# with 3 stages (106 KB), runs two per SM in the 228 KB an SM has, so one program's loads and MMAs
-# run while the other stores. Measured on an H100 at 48 experts, the fastest of the tiles tried at
+# ``num_stages`` row buffers (48 KB a stage at 64 x (128 + 256)) beside the epilogue's layout
+# change (64 KB at a 128 x 256 bf16 tile), so the SM90/SM100 many-rows tile has 4 stages (229 KB of
+# the 232 KB a block may have) and one program per SM; the few-rows tile, 128 x 128 outputs on 4
+# warps with 3 stages (106 KB), runs two per SM in the 228 KB an SM has, so one program's loads and
+# MMAs run while the other stores. Measured on an H100 at 48 experts, the fastest of the tiles tried at
 # 683 and at 171 rows per expert respectively: 5% and 2-8% under the Pallas kernel's table tile
 # (benchmarks/results/weight_grad_h100/0045dd2_probe/); SM100's and SM120's cross-compiled in CI
 # only (SM120's fits its 99 KB).

@@ -180,6 +180,16 @@ def compile_input_grad(capability: int, *, n: int, k: int, rows: int, experts: i
         name="native_input_grad_w4a16", with_sass=with_sass)
 
 
+def compile_launch(launch, *, with_sass: bool = False) -> crosscompile.CompiledKernel:
+    """Compiles what :func:`.triton_launch.call` would launch (a ``triton_launch.Launch``: its
+    kernel, pointer types, constexprs, warps, stages and capability), without a GPU."""
+    constexprs = dict(launch.constexprs)
+    return crosscompile.compile_jit(launch.kernel, signature={**dict(launch.signature),
+                                                              **dict.fromkeys(constexprs, "constexpr")},
+                                    constexprs=constexprs, capability=launch.capability, num_warps=launch.num_warps,
+                                    num_stages=launch.num_stages, name=launch.name, with_sass=with_sass)
+
+
 def compile_weight_grad(capability: int, *, n: int, k: int, rows: int, experts: int, out_dtype="bfloat16",
                         with_sass: bool = False) -> crosscompile.CompiledKernel:
     """Compiles the native bf16 weight-gradient kernel (``triton_weight_grad``) with the
@@ -188,15 +198,12 @@ def compile_weight_grad(capability: int, *, n: int, k: int, rows: int, experts: 
 
     spec = triton_weight_grad.make_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability,
                                         out_dtype=out_dtype)
-    return crosscompile.compile_jit(
-        triton_weight_grad.kernel_function(), signature=triton_weight_grad.signature(spec),
-        constexprs=spec.constexprs(), capability=capability, num_warps=spec.config.num_warps,
-        num_stages=spec.config.num_stages, name=f"native_weight_grad_{spec.out_dtype.name}", with_sass=with_sass)
+    return compile_launch(spec.launch(), with_sass=with_sass)
 
 
 def table_keys(capability: int) -> list[Key]:
     return sorted(TILE_TABLE[capability], key=lambda key: tuple(part.value for part in key))
 
 
-__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_input_grad", "compile_native",
-           "compile_weight_grad", "native_keys", "table_keys", "Op"]
+__all__ = ["BACKWARD_KERNELS", "Record", "compile_backward", "compile_config", "compile_input_grad", "compile_launch",
+           "compile_native", "compile_weight_grad", "native_keys", "table_keys", "Op"]

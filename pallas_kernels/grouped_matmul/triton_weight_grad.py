@@ -223,10 +223,4 @@ def _pointer_types(spec: Spec) -> dict[str, str]:
     return dict(zip(_kernel.arg_names, ["*i32", "*i32", "*bf16", "*bf16", out, out], strict=False))
 
 
-def signature(spec: Spec) -> dict[str, str]:
-    """The kernel's argument types for ``triton.compile`` (cross-compilation, no GPU)."""
-    return {**_pointer_types(spec), **{name: "constexpr" for name in spec.constexprs()}}
-
-
-__all__ = ["DEFAULT_PROGRAMS", "Spec", "kernel_function", "launch", "make_spec", "signature", "sm_count",
-           "weight_grad"]
+__all__ = ["DEFAULT_PROGRAMS", "Spec", "kernel_function", "launch", "make_spec", "sm_count", "weight_grad"]

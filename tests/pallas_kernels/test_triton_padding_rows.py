@@ -14,17 +14,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("triton")
-from pallas_kernels import crosscompile  # noqa: E402
-from pallas_kernels.grouped_matmul import triton_padding_rows  # noqa: E402
-
-
-def _compiled(shape, dtype, capability: int):
-    launch = triton_padding_rows.launch_for(shape, dtype, compute_capability=capability)
-    constexprs = dict(launch.constexprs)
-    return crosscompile.compile_jit(launch.kernel, signature={**dict(launch.signature), **dict.fromkeys(constexprs,
-                                                                                                        "constexpr")},
-                                    constexprs=constexprs, capability=capability, num_warps=launch.num_warps,
-                                    num_stages=launch.num_stages, name=launch.name)
+from pallas_kernels.grouped_matmul import crosscompile, triton_padding_rows  # noqa: E402
+from test_grouped_matmul import _gpu_capability  # noqa: E402
 
 
 @pytest.mark.parametrize("capability", [80, 89, 90, 100, 120])
@@ -33,7 +24,8 @@ def test_it_compiles_to_stores_only_with_64_bit_row_offsets(capability):
     bf16 and float32: global stores and one load (the row count), no shared memory, no spills;
     the row offsets are 64-bit."""
     for dtype in (jnp.bfloat16, jnp.float32):
-        kernel = _compiled((8 * 65536, 7168), dtype, capability)
+        kernel = crosscompile.compile_launch(triton_padding_rows.launch_for((8 * 65536, 7168), dtype,
+                                                                             compute_capability=capability))
         assert kernel.shared_bytes == 0 and kernel.spill_bytes == 0, (dtype, kernel.shared_bytes, kernel.spill_bytes)
         assert len(re.findall(r"\bld\.global", kernel.ptx)) == 1, dtype
         assert re.search(r"\bst\.global", kernel.ptx), dtype
@@ -61,14 +53,6 @@ def test_bad_input_gets_one_line_naming_the_argument():
             triton_padding_rows.zero_padding_rows(**args)
     empty = jnp.ones((0, 64), jnp.bfloat16)  # no rows: nothing to zero, no launch
     assert triton_padding_rows.zero_padding_rows(empty, sizes, compute_capability=90) is empty
-
-
-def _gpu_capability() -> int:
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("needs 1 CUDA GPU(s), found 0")
-    major, minor = gpus[0].compute_capability.split(".")
-    return int(major) * 10 + int(minor)
 
 
 @pytest.mark.gpu

@@ -444,6 +444,16 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
 #: (tests/test_auto_follows_measurements.py checks that they still say so).
 LAYER_RESULTS = "benchmarks/results/layer_h200/layer.json"
 TRAIN_STEP_RESULTS = "benchmarks/results/train_step_h200/train_step.json"
+BF16_TRAIN_STEP_RESULTS = "benchmarks/results/train_step_h100/af45c6d/train_step.json"
+
+#: Where ``auto`` puts the native kernels for bf16 weights in training, on the capabilities that
+#: have native bf16 tiles (``triton_lang.BF16_TILES``), and the measurement that says so. Elsewhere,
+#: and for bf16 inference (the layer within 2% either way), the Pallas kernels come first.
+BF16_TRAINING_NATIVE_FIRST = {
+    90: ("on one H100 the bf16 expert MLP's training step (forward, input and weight gradients) was faster "
+         "with the Triton-language kernels than with the Pallas kernels at 8192 and 32768 rows "
+         f"({BF16_TRAIN_STEP_RESULTS})"),
+}
 
 #: Where ``auto`` puts the native kernels (``triton``) against the Pallas ones for NVFP4 weights,
 #: per capability, for inference (decode and prefill sizes alike) and for training, and the
@@ -479,6 +489,9 @@ def _auto_order(target: Target, config: MoEConfig):
             why = f"SM{cc} was never measured; as on SM{known}: {why}"
         order = ("triton", "pallas", "xla") if first == "triton" else ("pallas", "triton", "xla")
         return order, f"NVFP4 {use}: {why}"
+    if use == "training" and config.weight_format == "bf16" and \
+            target.compute_capability in BF16_TRAINING_NATIVE_FIRST:
+        return ("triton", "pallas", "xla"), f"bf16 training: {BF16_TRAINING_NATIVE_FIRST[target.compute_capability]}"
     if use == "training":
         return ("pallas", "xla", "triton"), ("the Pallas kernels where they can run (differentiable: their VJP runs "
                                              "the input- and weight-gradient kernels), else the reference")

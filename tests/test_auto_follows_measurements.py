@@ -2,8 +2,10 @@
 committed measurements say, for every size class the report names.
 
 ``moe_jax.expert_gemm.NATIVE_VS_PALLAS`` puts ``triton`` first on SM90 for NVFP4 inference (decode and
-prefill sizes) and training, and its reasons cite ``LAYER_RESULTS`` and ``TRAIN_STEP_RESULTS``. A
-new run that reversed either order fails here until the table (and the report) follow it.
+prefill sizes) and training, and its reasons cite ``LAYER_RESULTS`` and ``TRAIN_STEP_RESULTS``;
+``BF16_TRAINING_NATIVE_FIRST`` puts it first for bf16 training on SM90, citing
+``BF16_TRAIN_STEP_RESULTS``. A new run that reversed an order fails here until the table (and the
+report) follow it.
 """
 
 import json
@@ -42,3 +44,18 @@ def test_training_order_follows_the_training_step_results():
         ms = {s["impl"]: s["ms"] for s in frozen if s["rows"] == rows}
         faster = "triton" if ms["triton"] < ms["pallas"] else "pallas"
         assert faster == first, f"{rows} rows: {ms}"
+
+
+def test_bf16_training_order_follows_the_bf16_training_step_results():
+    from pallas_kernels.grouped_matmul import triton_lang  # noqa: PLC0415
+
+    assert set(expert_gemm.BF16_TRAINING_NATIVE_FIRST) <= set(triton_lang.BF16_TILES)
+    why = expert_gemm.BF16_TRAINING_NATIVE_FIRST[90]
+    assert expert_gemm.BF16_TRAIN_STEP_RESULTS in why
+    steps = json.loads((ROOT / expert_gemm.BF16_TRAIN_STEP_RESULTS).read_text())["steps"]
+    full = [s for s in steps if s["weights"] == "bf16" and s["grads"] == "x, w" and "ms" in s]
+    cited = [int(rows) for rows in re.findall(r"\b\d{4,}\b", why.rsplit(" (", 1)[0])]
+    assert cited == [8192, 32768], why
+    for rows in cited:
+        ms = {s["impl"]: s["ms"] for s in full if s["rows"] == rows}
+        assert ms["triton"] < ms["pallas"], f"{rows} rows: {ms}"

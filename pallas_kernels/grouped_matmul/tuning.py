@@ -209,23 +209,26 @@ WEIGHT_GRAD_MANY_ROWS = 512
 NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT = 128
 
 
-def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int,
-                            table: dict[int, tuple[TileConfig, TileConfig]] = WEIGHT_GRAD_TILES) -> TileConfig:
-    """The weight-gradient tile of ``table`` (the Pallas kernel's, or
-    :data:`NATIVE_WEIGHT_GRAD_TILES`): deeper row steps and a wider output tile once each expert
-    has about :data:`WEIGHT_GRAD_MANY_ROWS` rows (32768 rows over 48 experts), else the smaller one."""
+def _many_weight_grad_rows(num_rows: int, num_experts: int) -> bool:
+    """Whether each expert has about :data:`WEIGHT_GRAD_MANY_ROWS` rows (32768 rows over 48
+    experts): then the weight gradients take the second tile of their pairs."""
+    return num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts
+
+
+def choose_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int) -> TileConfig:
+    """The Pallas weight-gradient tile (:data:`WEIGHT_GRAD_TILES`): deeper row steps and a wider
+    output tile at many rows per expert (:func:`_many_weight_grad_rows`), else the smaller one."""
     check_capability(compute_capability)
-    few, many = table[compute_capability]
-    return many if num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts else few
+    return WEIGHT_GRAD_TILES[compute_capability][_many_weight_grad_rows(num_rows, num_experts)]
 
 
 def native_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capability: int) -> tuple[TileConfig, int]:
     """``(tile, programs per SM)`` of the native weight gradient (``triton_weight_grad``): the
     second of :data:`NATIVE_WEIGHT_GRAD_TILES`' pair and of
-    :data:`NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM`'s from :data:`WEIGHT_GRAD_MANY_ROWS` rows per expert
-    on average, as :func:`choose_weight_grad_tile` picks."""
+    :data:`NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM`'s at many rows per expert
+    (:func:`_many_weight_grad_rows`), else the first."""
     check_capability(compute_capability)
-    many = num_rows >= WEIGHT_GRAD_MANY_ROWS * num_experts
+    many = _many_weight_grad_rows(num_rows, num_experts)
     return (NATIVE_WEIGHT_GRAD_TILES[compute_capability][many],
             NATIVE_WEIGHT_GRAD_PROGRAMS_PER_SM[compute_capability][many])
 

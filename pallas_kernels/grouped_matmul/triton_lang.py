@@ -47,7 +47,7 @@ from pallas_kernels.grouped_matmul import (
     PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
 )
 from pallas_kernels.grouped_matmul import triton_launch, triton_padding_rows, triton_weight_grad, tuning
-from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows, zero_padding_rows
+from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
@@ -1166,15 +1166,6 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
                x_k_order=order)
 
 
-def _zero_padding_rows(x_mh, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
-    """The input gradient's padding rows zeroed by :func:`.triton_padding_rows.zero_padding_rows`
-    (only those rows written, in place); interpreted, XLA's select (the kernel runs on a GPU;
-    Triton's interpreter runs it in ``tests/interpreter/``)."""
-    if interpret:
-        return zero_padding_rows(x_mh, group_sizes_e)
-    return triton_padding_rows.zero_padding_rows(x_mh, group_sizes_e, compute_capability=compute_capability)
-
-
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
 #: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert
 #: through one bf16 copy of the weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the
@@ -1183,7 +1174,7 @@ def _zero_padding_rows(x_mh, group_sizes_e, *, compute_capability: int, interpre
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
                         input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad,
                         forward_reads_rows_by_index=True,
-                        zero_padding_rows=_zero_padding_rows)
+                        zero_padding_rows=triton_padding_rows.zero_padding_rows)
 
 
 def _prefill(num_rows: int, group_sizes_e, compute_capability: int) -> bool:
@@ -1244,7 +1235,7 @@ def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: 
 W4A8_BACKEND = Backend(name="triton_lang W4A8", forward=_w4a8_expert_mlp_forward, matmul=_w4a8_matmul,
                        input_grad=_w4a16_input_grad, weight_grad=grouped_matmul_weight_grad,
                        forward_reads_rows_by_index=True,
-                       zero_padding_rows=_zero_padding_rows)
+                       zero_padding_rows=triton_padding_rows.zero_padding_rows)
 
 
 def _bf16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
@@ -1282,7 +1273,7 @@ def _bf16_weight_grad(x_mk, dy_mn, group_sizes_e, *, out_dtype, compute_capabili
 BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward, matmul=_bf16_matmul,
                        input_grad=_bf16_input_grad, weight_grad=_bf16_weight_grad,
                        forward_reads_rows_by_index=True,
-                       zero_padding_rows=_zero_padding_rows)
+                       zero_padding_rows=triton_padding_rows.zero_padding_rows)
 
 
 __all__ = ["BF16_BACKEND", "BF16_MANY_ROWS_PER_EXPERT", "BF16_MANY_ROWS_TILES", "BF16_TILES", "FP8_MAX",

@@ -2,12 +2,12 @@
 the grouped kernels leave unwritten (their contract), and which the input gradient must return as
 zeros (a padding row has no defined output, so no gradient).
 
-Why a kernel. XLA's formulation, :func:`reference` (``expert_mlp.zero_padding_rows``, a
-select), reads and writes every row: at the training shape (48 experts x 32768 rows, H 7168) that
-is 0.94 GB and 0.34-0.35 ms of the bf16 step on an H100, 2% of it, where there are no padding
-rows at all (``benchmarks/results/train_step_h100/c17e5d3_profile/``). This kernel writes only the
-padding rows, in the buffer it is given (aliased, so XLA makes no copy when the rows are not used
-after), and reads one number: without padding rows its programs load it and return.
+Why a kernel. XLA's formulation, ``expert_mlp.zero_padding_rows`` (a select), reads and writes
+every row: at the training shape (48 experts x 32768 rows, H 7168) that is 0.94 GB and 0.34-0.35
+ms of the bf16 step on an H100, 2% of it, where there are no padding rows at all
+(``benchmarks/results/train_step_h100/c17e5d3_profile/``). This kernel writes only the padding
+rows, in the buffer it is given (aliased, so XLA makes no copy when the rows are not used after),
+and reads one number: without padding rows its programs load it and return.
 
 Programs ``p = 0..P-1`` take the row tiles from the one holding row ``total`` on, ``p, p + P, ...``,
 each ``BLOCK_M`` rows by every ``BLOCK_H`` column chunk, stores masked at ``total``, ``M`` and ``H``.
@@ -29,7 +29,6 @@ import triton.language as tl
 
 from pallas_kernels.grouped_matmul import triton_launch
 from pallas_kernels.grouped_matmul.expert_mlp import defined_rows
-from pallas_kernels.grouped_matmul.expert_mlp import zero_padding_rows as reference
 
 #: Rows a program zeroes at a time, and the columns of one store.
 BLOCK_M, BLOCK_H = 16, 512
@@ -102,10 +101,4 @@ def _launch(x_mh, total_1, compute_capability: int) -> jax.Array:
     return triton_launch.call(launch, total_1, out=x_mh, out_shape=jax.ShapeDtypeStruct(x_mh.shape, x_mh.dtype))
 
 
-def kernel_function():
-    """The ``@triton.jit`` kernel itself (for cross-compilation and the interpreter)."""
-    return _kernel
-
-
-__all__ = ["BLOCK_H", "BLOCK_M", "MAX_PROGRAMS", "grid", "kernel_function", "launch_for", "reference",
-           "zero_padding_rows"]
+__all__ = ["BLOCK_H", "BLOCK_M", "MAX_PROGRAMS", "grid", "launch_for", "zero_padding_rows"]

@@ -227,23 +227,23 @@ def main() -> None:
             xh, dyh = np.asarray(x), np.asarray(dy)
             flops = 2 * m * n * k
             cands = {
-                "dense cuBLAS (x^T dy, same FLOPs)": lambda: jnp.dot(  # noqa: B023
-                    x.T, dy, preferred_element_type=jnp.float32).astype(jnp.bfloat16),  # noqa: B023
+                "dense cuBLAS (dy^T x, same FLOPs)": lambda: jnp.dot(  # noqa: B023
+                    dy.T, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16),  # noqa: B023
                 "ours native (triton_weight_grad)": lambda: triton_weight_grad.weight_grad(
                     x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16),  # noqa: B023
                 "ours pallas": lambda: grouped_matmul_weight_grad(
                     x, dy, gs, compute_capability=90, out_dtype=jnp.bfloat16),  # noqa: B023
                 "jax transposed_ragged_dot_mgpu": lambda: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                    x, dy, group_sizes=gs, block_m=128, block_n=128, block_k=64,  # noqa: B023
+                    dy, x, group_sizes=gs, block_m=128, block_n=128, block_k=64,  # noqa: B023
                     max_concurrent_steps=4, grid_block_n=8),
             }
             for c in CONFIGS:
                 cands[f"ws mosaic {c}"] = functools.partial(
-                    weight_grad_ws, x, dy, gs, tile_k=c[0], tile_n=c[1], block_m=c[2], steps=c[3])
+                    weight_grad_ws, dy, x, gs, tile_k=c[0], tile_n=c[1], block_m=c[2], steps=c[3])
             row = dict(m=m, proj=proj, k=k, n=n)
             try:
                 row["torch._grouped_mm"] = _median_ms(
-                    lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs), torch.cuda.synchronize()))  # noqa: B023
+                    lambda: (torch._grouped_mm(tdy.t(), tx, offs=offs), torch.cuda.synchronize()))  # noqa: B023
                 print(m, proj, "torch._grouped_mm", f"{row['torch._grouped_mm']:.3f} ms "
                       f"{flops / row['torch._grouped_mm'] / 1e9:.0f} TFLOP/s", flush=True)
             except Exception as ex:  # noqa: BLE001 -- recorded, never hidden
@@ -254,7 +254,7 @@ def main() -> None:
                     got = jf()
                     if not name.startswith("dense"):
                         err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-                        f64 = _float64_check(got, xh, dyh, sizes, [0, E - 1])
+                        f64 = _float64_check(got, dyh, xh, sizes, [0, E - 1])
                         if not (err < 1e-2 and f64 < 1e-2):
                             raise AssertionError(f"relative error {err:.3g} (Pallas), {f64:.3g} (float64)")
                     del got

@@ -250,7 +250,9 @@ def main() -> None:
                 row["torch._grouped_mm"] = f"error: {str(ex)[:200]}"
             for name, f in cands.items():
                 try:
-                    jf = jax.jit(f) if name.startswith("dense") else f
+                    # Every candidate under one jit: called eagerly, a Pallas Mosaic GPU kernel built in
+                    # a function is traced and compiled again at every call (~1 s each).
+                    jf = jax.jit(f)
                     got = jf()
                     if not name.startswith("dense"):
                         err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))

@@ -8,8 +8,10 @@ of a pipeline over an expert's 64-row blocks, two compute warpgroups each own ha
 ``[tile_a, 2 * tile_b]`` output tile (``wgmma``, a's block read transposed from shared memory),
 and one tile's epilogue overlaps the next tile's loads. Persistent: one program (or cluster of two)
 per SM walks (expert, a-tile, b-tile), experts outermost so that an expert's rows stay in L2 while
-every SM works on them. Options: ``delay_release`` (one ``wgmma`` in flight across steps) and
-``cluster=2`` (b's blocks multicast to two CTAs).
+every SM works on them. Option: ``cluster=2`` (b's blocks multicast to two CTAs). One ``wgmma``
+in flight across steps (``delay_release=1``) was an option here; with a pipeline per tile it is
+unsafe (a pipeline's last slot is left unreleased, and the next tile's may load into it while
+that ``wgmma`` still reads it; ``benchmarks/NOTES.md``, "Training") and is gone.
 
 A 64-row block that straddles an expert's first or last row has the other experts' rows selected
 to zero in shared memory before its MMA: each compute warpgroup its half of a's columns and its
@@ -42,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def weight_grad_ws(a_ma, b_mb, group_sizes_e, *, tile_a: int = 128, tile_b: int = 128, block_m: int = 64,
-                   steps: int = 4, delay_release: int = 1, cluster: int = 1, epi: int = 64,
+                   steps: int = 4, cluster: int = 1, epi: int = 64,
                    num_sms: int | None = None, interpret=False):
     """``[M, A] x [M, B] -> [E, A, B]``, per expert ``a_e^T @ b_e`` over its rows, in a's dtype.
 
@@ -50,7 +52,6 @@ def weight_grad_ws(a_ma, b_mb, group_sizes_e, *, tile_a: int = 128, tile_b: int 
     ``[tile_a, 2 * tile_b]``: compute warpgroup w owns columns ``w * tile_b`` on. With ``cluster=2``
     two CTAs take neighbouring ``tile_a`` tiles of the same columns, and b's blocks reach both by
     one multicast TMA load (a third less L2 traffic per step at the default tile).
-    ``delay_release=1`` keeps one ``wgmma`` in flight across pipeline steps.
     """
     m, na = a_ma.shape
     m2, nb = b_mb.shape
@@ -78,10 +79,8 @@ def weight_grad_ws(a_ma, b_mb, group_sizes_e, *, tile_a: int = 128, tile_b: int 
                 pipeline_body,
                 grid=(blocks,),
                 memory_registers=40,
-                in_specs=[plgpu.BlockSpec((block_m, tile_a), lambda i: (i, 0), transforms=transforms,
-                                          delay_release=delay_release),
+                in_specs=[plgpu.BlockSpec((block_m, tile_a), lambda i: (i, 0), transforms=transforms),
                           plgpu.BlockSpec((block_m, cta_b), lambda i: (i, 0), transforms=transforms,
-                                          delay_release=delay_release,
                                           collective_axes=("cluster",) if cluster > 1 else ())],
                 wg_axis="wg",
                 num_compute_wgs=2,
@@ -134,7 +133,7 @@ def weight_grad_ws(a_ma, b_mb, group_sizes_e, *, tile_a: int = 128, tile_b: int 
                         plgpu.barrier_wait(selected)
 
                     plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem.at[:, wg_b])
-                    plgpu.wgmma_wait(delay_release)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 def compute_context(run):
@@ -182,12 +181,10 @@ E, H, F = 48, 7168, 2048
 # weight_grad_ws's tile options. The CTA's output tile is [tile_a, 2 * tile_b]; shared memory is
 # steps x block_m x (tile_a + 2 tile_b) x 2 B plus 32 KB of epilogue slots (227 KB at most): at
 # 128 / 128 / 64 rows, 4 steps are the most that fit. The first is the probe's first build (3.60 ms
-# for the gate/up weight gradient at 32768 rows on an H100, 856d486); the cluster ones last (not
+# for the gate/up weight gradient at 32768 rows on an H100, 856d486); the cluster one last (not
 # run in the interpreter, which takes one block).
-CONFIGS = [dict(tile_a=128, tile_b=128, block_m=64, steps=4, delay_release=0, cluster=1),
-           dict(tile_a=128, tile_b=128, block_m=64, steps=4, delay_release=1, cluster=1),
-           dict(tile_a=128, tile_b=128, block_m=64, steps=4, delay_release=1, cluster=2),
-           dict(tile_a=128, tile_b=128, block_m=64, steps=4, delay_release=0, cluster=2)]
+CONFIGS = [dict(tile_a=128, tile_b=128, block_m=64, steps=4, cluster=1),
+           dict(tile_a=128, tile_b=128, block_m=64, steps=4, cluster=2)]
 
 
 def _median_ms(f, runs: int = 10) -> float:

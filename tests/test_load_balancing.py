@@ -177,7 +177,8 @@ def test_the_bias_update_balances_a_skewed_router(rng, cpu_devices, mesh_name):
     assert set(np.round(steps).ravel()) <= {-1.0, 0.0, 1.0}
     # Loads summed over several steps: one batch's smallest load is mostly sampling noise.
     first, last = load_ratio(np.sum(loads[:5], 0)), load_ratio(np.sum(loads[-10:], 0))
-    assert first > 50, first  # skewed to start with...
+    # skewed to start with (max / min 44-1152 over 41 seeds: a fresh router's own rows vary)...
+    assert first > 10, first
     assert last < 3, (first, last)  # ...and balanced within a few dozen steps
     assert biases[-1][:4].mean() < biases[-1][4:].mean()  # the favoured experts lost bias
 

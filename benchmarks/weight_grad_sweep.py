@@ -71,7 +71,7 @@ def main() -> None:
                          "torch": lambda: (torch._grouped_mm(tx.t(), tdy, offs=offs),  # noqa: B023
                                            torch.cuda.synchronize())}
             for name, f in peers.items():
-                ms = _median_ms(f)
+                ms = median_ms(f)
                 rows.append(dict(m=m, proj=proj, kernel=name, ms=ms, tflops=2 * m * n * k / ms / 1e9))
                 print(m, proj, name, f"{ms:.3f} ms {2 * m * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
             for c in PALLAS_CONFIGS if args.kernel == "pallas" else NATIVE_CONFIGS:
@@ -94,7 +94,7 @@ def main() -> None:
                     del got
                     if not err < 1e-2:
                         raise AssertionError(f"relative error {err:.3g} against the Pallas table tile")
-                    ms = _median_ms(lambda: f().block_until_ready())  # noqa: B023
+                    ms = median_ms(lambda: f().block_until_ready())  # noqa: B023
                     tf = 2 * m * n * k / ms / 1e9
                     rows.append(dict(m=m, proj=proj, kernel=args.kernel, cfg=c, ms=ms, tflops=tf, err=err))
                     print(m, proj, args.kernel, c, f"{ms:.3f} ms {tf:.0f} TFLOP/s err {err:.1e}", flush=True)
@@ -106,11 +106,12 @@ def main() -> None:
         json.dump(rows, f, indent=1)
 
 
-def _median_ms(f) -> float:
-    """Median wall time of 10 synchronized calls after one more."""
-    f()
+def median_ms(f, warmups: int = 1, runs: int = 10) -> float:
+    """Median wall time in ms of ``runs`` synchronized calls of ``f`` after ``warmups`` more."""
+    for _ in range(warmups):
+        f()
     ts = []
-    for _ in range(10):
+    for _ in range(runs):
         t0 = time.perf_counter()
         f()
         ts.append(time.perf_counter() - t0)

@@ -33,7 +33,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -187,18 +186,6 @@ CONFIGS = [dict(tile_a=128, tile_b=128, block_m=64, steps=4, cluster=1),
            dict(tile_a=128, tile_b=128, block_m=64, steps=4, cluster=2)]
 
 
-def _median_ms(f, runs: int = 10) -> float:
-    """Median wall time of ``runs`` synchronized calls after two more."""
-    f()
-    f()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e3
-
-
 def _float64_check(got_ekn, x_mk, dy_mn, sizes, experts) -> float:
     """Largest error of the given experts against float64, relative to each one's largest entry."""
     ends = np.cumsum(sizes)
@@ -233,6 +220,7 @@ def main() -> None:
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
 
     from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, triton_weight_grad  # noqa: PLC0415
+    from weight_grad_sweep import median_ms  # noqa: PLC0415 (beside this script)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON file to write")
@@ -279,8 +267,9 @@ def main() -> None:
                     lambda x, dy, gs, c=c: weight_grad_ws(dy, x, gs, **c))
             row = dict(m=m, proj=proj, k=k, n=n)
             try:
-                row["torch._grouped_mm"] = _median_ms(
-                    lambda: (torch._grouped_mm(tdy.t(), tx, offs=offs), torch.cuda.synchronize()))  # noqa: B023
+                row["torch._grouped_mm"] = median_ms(
+                    lambda: (torch._grouped_mm(tdy.t(), tx, offs=offs), torch.cuda.synchronize()),  # noqa: B023
+                    warmups=2)
                 print(m, proj, "torch._grouped_mm", f"{row['torch._grouped_mm']:.3f} ms "
                       f"{flops / row['torch._grouped_mm'] / 1e9:.0f} TFLOP/s", flush=True)
             except Exception as ex:  # noqa: BLE001 -- recorded, never hidden
@@ -295,7 +284,7 @@ def main() -> None:
                         if not (err < 1e-2 and f64 < 1e-2):
                             raise AssertionError(f"relative error {err:.3g} (Pallas), {f64:.3g} (float64)")
                     del got
-                    ms = _median_ms(lambda: jf(x, dy, gs).block_until_ready())  # noqa: B023
+                    ms = median_ms(lambda: jf(x, dy, gs).block_until_ready(), warmups=2)  # noqa: B023
                     row[name] = ms
                     print(m, proj, name, f"{ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
                 except Exception as ex:  # noqa: BLE001 -- recorded, never hidden

@@ -19,6 +19,7 @@ error < 1e-2); one that differs gets no time.
 """
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, triton_weight_grad, tuning  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import TileConfig  # noqa: E402
 

@@ -32,6 +32,7 @@ a NaN and an inf next to an expert boundary reach only their own experts.
 import argparse
 import functools
 import json
+import pathlib
 import sys
 
 import jax
@@ -216,7 +217,7 @@ def _nonfinite_isolation(sizes, config) -> bool:
 def main() -> None:
     import torch  # noqa: PLC0415
 
-    sys.path.insert(0, ".")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
 
     from pallas_kernels.grouped_matmul import grouped_matmul_weight_grad, triton_weight_grad  # noqa: PLC0415

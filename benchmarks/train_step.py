@@ -22,8 +22,8 @@ expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and
   and ``grouped_matmul_weight_grad`` (dW, bf16 out), and torch's ``_grouped_mm`` doing the same
   three products; TFLOP/s at ``2 M N K`` each and backward over forward;
 * **layer** (``--layer``): ``moe_jax.moe_forward`` + its VJP under ``jax.jit`` (router,
-  exchange, experts, shared expert), ``pallas`` and ``xla``, for each ``--ep`` size over that
-  many local GPUs (``M`` rows per device: ``ep * M / top_k`` tokens).
+  exchange, experts, shared expert), ``pallas``, ``triton`` (on GPUs) and ``xla``, for each
+  ``--ep`` size over that many local GPUs (``M`` rows per device: ``ep * M / top_k`` tokens).
 
 Routing: multinomial group sizes summing to M over the local experts, uniform (and Zipf with
 ``--skewed``, as ``grouped_gemm.py``), fixed seed.
@@ -704,8 +704,9 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
 
 
 def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
-    """``moe_forward`` + VJP under ``jax.jit`` at each EP size: ``pallas``, and ``xla`` (the
-    reference its gradients are checked against) at the sizes in ``--xla-rows``; rows are
+    """``moe_forward`` + VJP under ``jax.jit`` at each EP size: ``pallas``, ``triton`` (not
+    interpreted), and ``xla`` (the reference their gradients are checked against) at the sizes in
+    ``--xla-rows``; rows are
     appended to ``out`` (and saved) as they come."""
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
@@ -747,7 +748,8 @@ def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
                 out.append(row)
                 say(row, f"layer EP={ep} M={rows}")
                 continue
-            for impl in (["xla"] if rows in ctx.xla_rows else []) + ["pallas"]:
+            gpu_impls = [] if ctx.interpret else ["triton"]
+            for impl in (["xla"] if rows in ctx.xla_rows else []) + ["pallas"] + gpu_impls:
                 row = {**base, "impl": impl}
                 out.append(row)
                 try:
@@ -1075,6 +1077,8 @@ def parse_args(argv=None):
     parser.add_argument("--xla-rows", type=int, nargs="*", default=None,
                         help="rows at which the xla path runs (default: all of --rows; it is slow: dense expansion)")
     parser.add_argument("--skip-gemms", action="store_true", help="no GEMM-alone rows")
+    parser.add_argument("--skip-bf16-steps", action="store_true",
+                        help="no bf16 expert-MLP step rows (with --nvfp4 or --layer: only those)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="record CALLS calls of each timed JAX step under jax.profiler: its kernels by time")
     parser.add_argument("--iters", type=int, default=10, help="calls per timing window")
@@ -1150,7 +1154,7 @@ def main(argv=None):
 
     config = MoEConfig.kimi_k2(num_experts=shape["experts"], top_k=shape["top_k"], hidden_size=shape["hidden"],
                                expert_intermediate_size=shape["intermediate"], interpret=interpret)
-    formats = ["bf16"] + (["nvfp4"] if args.nvfp4 else [])
+    formats = ([] if args.skip_bf16_steps else ["bf16"]) + (["nvfp4"] if args.nvfp4 else [])
     routings = ["uniform"] + (["zipf"] if args.skewed else [])
     plans = {}
     for fmt in formats:

@@ -102,7 +102,7 @@ def grouped_matmul_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: in
 
 
 def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool = False,
-                           out=None) -> jax.Array:
+                           out=None, multiply=None) -> jax.Array:
     """bf16 ``[M, K]``: :func:`grouped_matmul_input_grad` of NVFP4 weights through one bf16 copy of
     them: XLA dequantizes ``w`` once (``[E, N, K]`` bf16, ``code * scale``, exact:
     :func:`.pallas_triton.dequantize_copy`), and the bf16 kernel multiplies. Each row of ``dy_mn``
@@ -112,6 +112,9 @@ def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, 
     The copy takes ``2 E N K`` bytes for the duration of the call: a trade of memory for speed
     that :func:`input_grad` makes by :func:`.tuning.dequantize_for_input_grad`. Arguments as
     :func:`grouped_matmul_input_grad`'s; ``w`` must be NVFP4 with one global scale per expert.
+    ``multiply``: the bf16 input gradient that multiplies the copy, ``(dy_mn, w_enk, group_sizes_e,
+    *, compute_capability, interpret) -> [M, K]``; None: :func:`grouped_matmul_input_grad` (the only
+    one that takes ``out``).
     """
     if np.dtype(dy_mn.dtype) != np.dtype(jnp.bfloat16) or dy_mn.ndim != 2:
         raise ValueError(f"dy_mn: {dy_mn.dtype}{list(dy_mn.shape)}, expected bfloat16 [M, N]")
@@ -121,13 +124,16 @@ def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, 
         raise ValueError(f"w: {type(w).__name__}, expected NVFP4 weights (.packed, .scales, .global_scale); "
                          "bf16 weights go to grouped_matmul_input_grad as they are")
     _, weight_arrays, _, _ = _weight_format(w, "w", Op.MATMUL, num_experts, n, transpose_w=True)
+    if out is not None and multiply is not None:
+        raise ValueError("out: given with multiply; only grouped_matmul_input_grad (multiply=None) writes into out")
     # One program: called eagerly, each step of the dequantization would materialize an int32
     # copy of every code (4 bytes a weight) instead of fusing into one pass.
-    return _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out)
+    return _dequantized_input_grad_jit(compute_capability, interpret, multiply, dy_mn, weight_arrays, group_sizes_e,
+                                       out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arrays, group_sizes_e, out):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _dequantized_input_grad_jit(compute_capability, interpret, multiply, dy_mn, weight_arrays, group_sizes_e, out):
     packed, scales_u8, global_scale = weight_arrays
     (num_experts, n, half), m = packed.shape, dy_mn.shape[0]
     with jax.named_scope("dequantized_input_grad"):
@@ -136,6 +142,8 @@ def _dequantized_input_grad_jit(compute_capability, interpret, dy_mn, weight_arr
                                                                                                      2 * half)
         scale_m = global_scale[row_experts(group_sizes_e, m)]
         dy_mn = (dy_mn.astype(jnp.float32) * scale_m[:, None]).astype(jnp.bfloat16)
+        if multiply is not None:
+            return multiply(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability, interpret=interpret)
         return grouped_matmul_input_grad(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability,
                                          interpret=interpret, out=out)
 

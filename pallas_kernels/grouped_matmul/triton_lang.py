@@ -1142,10 +1142,13 @@ def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret:
 
 def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
     """:func:`input_grad`, or through one bf16 copy of the weights where
-    :func:`tuning.dequantize_for_input_grad` says so (many rows per expert)."""
+    :func:`tuning.dequantize_for_input_grad` says so (many rows per expert), the copy multiplied as
+    bf16 weights' input gradient is (:func:`_bf16_input_grad`: the native 256-row tiles from
+    :data:`BF16_MANY_ROWS_PER_EXPERT` rows per expert)."""
     triton_launch.not_interpreted(interpret)
     if dequantized_copy_pays(dy_mn, w, group_sizes_e):
-        return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
+        return dequantized_input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability,
+                                      multiply=_bf16_input_grad)
     return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
 
 

@@ -126,6 +126,41 @@ def test_gpu_dequantized_input_grad_matches_float64_reference(rng, case):
     _run_dequantized_input_grad(rng, case, compute_capability=_gpu_capability(), interpret=False)
 
 
+#: What the test's input gradient writes in the padding rows (past ``sum(group_sizes)``): none of
+#: the library's kernels writes it there, so it shows whose result came back.
+_PADDING_MARK = 7.0
+
+
+def _ragged_input_grad(dy_mn, w_enk, group_sizes_e, *, compute_capability, interpret):
+    """A bf16 input gradient by XLA (``dy_e @ W_e``, float32 sums), padding rows set to
+    :data:`_PADDING_MARK`; it checks what it is given (at trace time)."""
+    assert (dy_mn.dtype, w_enk.dtype, compute_capability, interpret) == (jnp.bfloat16, jnp.bfloat16, 90, True)
+    assert w_enk.shape == (group_sizes_e.shape[0], dy_mn.shape[1], w_enk.shape[2]), w_enk.shape
+    m = dy_mn.shape[0]
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_e, 0)), m)  # rows in [0, M), as the kernels take them
+    sizes = jnp.diff(ends, prepend=0)
+    out = jax.lax.ragged_dot(dy_mn, w_enk, sizes, preferred_element_type=jnp.float32)
+    return jnp.where((jnp.arange(m) < ends[-1])[:, None], out, _PADDING_MARK).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("case", DEQUANTIZED_CASES.values(), ids=DEQUANTIZED_CASES.keys())
+def test_dequantized_input_grad_multiplies_with_the_given_kernel(rng, case):
+    """``multiply``: the bf16 copy ``[E, N, K]`` and the rows scaled by their experts' global
+    scales go to the given input gradient, whose result is the op's (the W4A16 backend passes its
+    native bf16 one); against float64 on every defined row, the mark on the padding rows."""
+    dy = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.bfloat16)
+    w = _weights(rng, "nvfp4", len(case.groups), case.k, case.n)
+    group_sizes = jnp.asarray(case.groups, jnp.int32)
+    out = dequantized_input_grad(dy, w, group_sizes, compute_capability=90, interpret=True,
+                                 multiply=_ragged_input_grad)
+    ref = reference.grouped_matmul_input_grad(dy, w, group_sizes)
+    _check(out, ref, padding_poisoned=False)
+    assert (np.asarray(out[ref.shape[0]:].astype(jnp.float32)) == _PADDING_MARK).all()
+    with pytest.raises(ValueError, match=r"^out: given with multiply"):
+        dequantized_input_grad(dy, w, group_sizes, compute_capability=90, multiply=_ragged_input_grad,
+                               out=jnp.zeros((case.m, case.n), jnp.bfloat16))
+
+
 def test_the_copy_holds_the_exact_tile_s_values(rng):
     """``pallas_triton.dequantize_copy`` (the copy's formulation) against ``dequantize_tile``'s
     EXACT one: every byte value, every E4M3 scale bit pattern but NaN, signs of zeros included."""

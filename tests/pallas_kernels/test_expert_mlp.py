@@ -26,6 +26,7 @@ from test_grouped_matmul import _gpu_capability
 
 from moe_jax import nvfp4
 from pallas_kernels.grouped_matmul import PALLAS, expert_mlp, reference, tuning
+from pallas_kernels.grouped_matmul.expert_mlp import token_rows
 
 OUTPUT_TOLERANCE = 1e-2
 GRADIENT_TOLERANCE = 2e-2
@@ -126,6 +127,34 @@ def test_interpret_rows_read_by_index_match_float64_reference(rng, fmt):
     them in place, the GPU twin below)."""
     _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, backend=PALLAS, compute_capability=90,
            interpret=True)
+
+
+_READ_BY_INDEX = []
+
+
+def _reading_rows_by_index(kernel):
+    """``PALLAS``' ``kernel`` taking ``row_token_m`` as the native kernels do (the rows gathered
+    here in XLA), recording whether it was given."""
+    def by_index(x, *args, row_token_m=None, **kwargs):
+        _READ_BY_INDEX.append(row_token_m is not None)
+        return kernel(token_rows(x, row_token_m), *args, **kwargs)
+    return by_index
+
+
+#: ``PALLAS`` as a backend whose kernels read rows by index (``forward_reads_rows_by_index``).
+ROWS_BY_INDEX = PALLAS._replace(name="PALLAS, rows by index", forward=_reading_rows_by_index(PALLAS.forward),
+                                matmul=_reading_rows_by_index(PALLAS.matmul), forward_reads_rows_by_index=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_interpret_a_backend_reading_rows_by_index_gets_the_tokens(rng, fmt):
+    """A backend that reads rows by index gets the tokens and ``row_token_m`` in its forward and
+    in the gate/up matmul under differentiation (no ``[M, H]`` copy in XLA; the down matmul reads
+    SwiGLU's rows as they are); forward and gradients against float64."""
+    _READ_BY_INDEX.clear()
+    _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, backend=ROWS_BY_INDEX,
+           compute_capability=90, interpret=True)
+    assert _READ_BY_INDEX.count(True) == 2, _READ_BY_INDEX  # the fused forward, the gate/up matmul
 
 
 def _many_rows(experts: int, rows: int = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT) -> tuple[int, ...]:

@@ -187,24 +187,26 @@ def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "many_rows_by_index"])
 def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows):
     """``triton_lang.BF16_BACKEND``: the native bf16 tiles forward, the input gradients through the
     Pallas kernel at few rows per expert and the native kernel's many-rows tile at many
     (``BF16_MANY_ROWS_PER_EXPERT``), the weight gradient likewise (the Pallas kernel, then from
-    ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA)."""
+    ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA); ``by_index``: the
+    rows read from 61 tokens (the many-rows tiles reading them in the gate/up product under
+    differentiation)."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.BF16_TILES:
         pytest.skip(f"SM{cc} has no native bf16 tiles (measured on SM90 only)")
-    groups = (_many_rows(8, triton_lang.BF16_MANY_ROWS_PER_EXPERT) if rows == "many_rows"
-              else (150, 0, 3, 70, 1, 0, 40, 9))
-    if rows == "many_rows":
+    many = rows.startswith("many_rows")
+    groups = _many_rows(8, triton_lang.BF16_MANY_ROWS_PER_EXPERT) if many else (150, 0, 3, 70, 1, 0, 40, 9)
+    if many:
         assert triton_lang.bf16_many_rows_tile(triton_lang.Op.MATMUL, num_rows=sum(groups) + 37, num_experts=8,
                                                compute_capability=cc, transpose_w=True) is not None
     native_dw = sum(groups) + 37 >= tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT * len(groups)
-    assert native_dw == (rows == "many_rows")  # which weight gradient each case runs
-    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
+    assert native_dw == many  # which weight gradient each case runs
+    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows.endswith("by_index") else 0,
            backend=triton_lang.BF16_BACKEND, compute_capability=cc)
 
 

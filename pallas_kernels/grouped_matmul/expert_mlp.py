@@ -22,9 +22,10 @@ Arguments:
   are padding: their outputs are unspecified and their gradient is zero.
 * ``row_token_m``: None, or int32 ``[M]``: then ``x_mh`` is ``[T, H]`` (a layer's tokens, in any
   order) and row ``m`` of the op is ``x[row_token_m[m]]`` (indices clamped into ``[0, T)``). A
-  backend whose forward reads rows by index (``Backend.forward_reads_rows_by_index``) never
-  writes the ``[M, H]`` copy in expert order; the others, and the forward under
-  differentiation, gather it in XLA. The gradient of ``x`` sums each token's rows in float32.
+  backend whose kernels read rows by index (``Backend.forward_reads_rows_by_index``) never
+  writes the ``[M, H]`` copy in expert order in the forward, with or without differentiation
+  (the weight gradient gathers it); the others gather it in XLA. The gradient of ``x`` sums each
+  token's rows in float32.
 * ``group_sizes_e``: int32 ``[E]``.
 * ``w_gate_up``: ``[E, 2F, H]`` (out, in; gate rows before up rows), ``w_down``: ``[E, H, F]``.
   Each is a bf16 array (trainable: it gets its gradient), or NVFP4 in ModelOpt's layout as a
@@ -77,13 +78,15 @@ class Backend(NamedTuple):
       name: the family, for messages.
       forward: ``(x_mh, group_sizes_e, w_gate_up, w_down) -> y_mh [M, H]``: the fused gate/up +
         SwiGLU kernel, then the down projection (the forward without differentiation).
-      matmul: ``(x_mk, w, group_sizes_e) -> [M, N]``: ``x @ W_e^T``.
+      matmul: ``(x_mk, w, group_sizes_e) -> [M, N]``: ``x @ W_e^T``; where
+        ``forward_reads_rows_by_index``, also ``row_token_m`` (keyword), as ``forward``.
       input_grad: ``(dy_mn, w, group_sizes_e) -> [M, K]``: ``dy @ W_e``, ``w`` with one global
         scale per expert.
       weight_grad: ``(x_mk, dy_mn, group_sizes_e, *, out_dtype) -> [E, N, K]`` in ``out_dtype``:
         ``dy_e^T x_e``.
-      forward_reads_rows_by_index: whether ``forward`` also takes ``row_token_m`` (keyword): then
-        ``x`` is ``[T, H]`` and row ``m`` reads ``x[row_token_m[m]]`` (see :func:`expert_mlp`).
+      forward_reads_rows_by_index: whether ``forward`` and ``matmul`` also take ``row_token_m``
+        (keyword): then ``x`` is ``[T, H]`` and row ``m`` reads ``x[row_token_m[m]]`` (see
+        :func:`expert_mlp`).
       zero_padding_rows: ``(x_mh, group_sizes_e) -> [M, H]``: :func:`zero_padding_rows`'s result
         by a kernel that writes only the padding rows, in place; None: that function (XLA's
         select over every row).
@@ -228,14 +231,18 @@ def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, 
                     group_sizes_e, w_gate_up, w_down):
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
     w_gate_up_k, w_down_k = _kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize)
-    x_mh = _rows(x, row_token_m)
-    w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, x_mh.shape[0])
-    h_mg = backend.matmul(x_mh, w_one, group_sizes_e, **kernel_args)  # bf16, kept
+    num_rows = x.shape[0] if row_token_m is None else row_token_m.shape[0]
+    w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, num_rows)
+    # h_mg: bf16, kept. A backend that reads rows by index takes the tokens: no [M, H] copy.
+    if row_token_m is not None and backend.forward_reads_rows_by_index:
+        h_mg = backend.matmul(x.astype(jnp.bfloat16), w_one, group_sizes_e, row_token_m=row_token_m, **kernel_args)
+    else:
+        h_mg = backend.matmul(_rows(x, row_token_m), w_one, group_sizes_e, **kernel_args)
     a_mf = swiglu(_per_half(h_mg, half_scales_m2)).astype(jnp.bfloat16)
     y_mh = backend.matmul(a_mf, w_down_k, group_sizes_e, **kernel_args)
     trainable = (_trainable(w_gate_up), _trainable(w_down))
     # Rows read by index keep x itself (T rows, not M): the weight gradient gathers them again.
-    rows = (x_mh, None) if row_token_m is None else (x.astype(jnp.bfloat16), row_token_m)
+    rows = (x.astype(jnp.bfloat16), row_token_m)
     return y_mh, (rows, jnp.zeros((0,), x.dtype), group_sizes_e, w_gate_up_k, w_down_k, trainable, h_mg)
 
 

@@ -1135,9 +1135,10 @@ def signature(spec: NativeSpec) -> dict[str, str]:
     return {**dict(zip(_kernel.arg_names, types, strict=False)), **{name: "constexpr" for name in constexprs}}
 
 
-def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+def _w4a16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool, row_token_m=None) -> jax.Array:
     triton_launch.not_interpreted(interpret)
-    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16)
+    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A16,
+               row_token_m=row_token_m)
 
 
 def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
@@ -1202,11 +1203,16 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     return bf16_matmul(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability)
 
 
-def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool, row_token_m=None) -> jax.Array:
+    """``x @ W_e^T`` of bf16 weights: :func:`bf16_matmul` at prefill sizes (rows read by index if
+    ``row_token_m`` is given), the Pallas kernel below (rows gathered first)."""
     triton_launch.not_interpreted(interpret)
-    if not _prefill(x_mk.shape[0], group_sizes_e, compute_capability):
-        return PALLAS.matmul(x_mk, w, group_sizes_e, compute_capability=compute_capability, interpret=False)
-    return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability)
+    num_rows = x_mk.shape[0] if row_token_m is None else row_token_m.shape[0]
+    if not _prefill(num_rows, group_sizes_e, compute_capability):
+        return PALLAS.matmul(token_rows(x_mk, row_token_m), w, group_sizes_e, compute_capability=compute_capability,
+                             interpret=False)
+    return bf16_matmul(Op.MATMUL, x_mk.astype(jnp.bfloat16), w, group_sizes_e, compute_capability=compute_capability,
+                       row_token_m=row_token_m)
 
 
 def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
@@ -1225,10 +1231,12 @@ def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     return run(Op.MATMUL, a_mf, w_down, group_sizes_e, compute_capability=compute_capability, mode=Mode.W4A8)
 
 
-def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool) -> jax.Array:
+def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool, row_token_m=None) -> jax.Array:
     triton_launch.not_interpreted(interpret)
-    mode = Mode.W4A8 if _prefill(x_mk.shape[0], group_sizes_e, compute_capability) else Mode.W4A16
-    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=mode)
+    num_rows = x_mk.shape[0] if row_token_m is None else row_token_m.shape[0]
+    mode = Mode.W4A8 if _prefill(num_rows, group_sizes_e, compute_capability) else Mode.W4A16
+    return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=mode,
+               row_token_m=row_token_m)
 
 
 #: W4A8 (opt-in, SM90) as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend: the forward

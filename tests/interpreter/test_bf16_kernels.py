@@ -105,3 +105,14 @@ def test_the_sm90_many_rows_tiles(op, transpose_w):
     block = tile.block_m
     forward(op, [1, 0, block - 1, block, block + 1, 0, 2 * block + 3], k=128, n_out=64 if op is Op.GATE_UP_SWIGLU else 128,
             tile=tile, transpose_w=transpose_w, seed=17)
+
+
+@pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
+def test_the_sm90_many_rows_tiles_reading_rows_by_index(op):
+    """``BF16_MANY_ROWS_TILES`` reading their rows in place by index, as the forward under
+    differentiation gives them a layer's tokens (the plain matmul there, the fused gate/up
+    without differentiation): fewer, unordered tokens, padding rows' indices never read."""
+    tile = triton_lang.BF16_MANY_ROWS_TILES[CC][op, False]
+    block = tile.block_m
+    forward(op, [1, 0, block - 1, block, block + 1, 0, 2 * block + 3], k=128, n_out=64 if op is Op.GATE_UP_SWIGLU else 128,
+            tile=tile, tokens=301, seed=19)

@@ -26,6 +26,7 @@ from test_grouped_matmul import _gpu_capability
 
 from moe_jax import nvfp4
 from pallas_kernels.grouped_matmul import PALLAS, expert_mlp, reference, tuning
+from pallas_kernels.grouped_matmul.expert_mlp import token_rows
 
 OUTPUT_TOLERANCE = 1e-2
 GRADIENT_TOLERANCE = 2e-2
@@ -128,6 +129,34 @@ def test_interpret_rows_read_by_index_match_float64_reference(rng, fmt):
            interpret=True)
 
 
+_READ_BY_INDEX = []
+
+
+def _reading_rows_by_index(kernel):
+    """``PALLAS``' ``kernel`` taking ``row_token_m`` as the native kernels do (the rows gathered
+    here in XLA), recording whether it was given."""
+    def by_index(x, *args, row_token_m=None, **kwargs):
+        _READ_BY_INDEX.append(row_token_m is not None)
+        return kernel(token_rows(x, row_token_m), *args, **kwargs)
+    return by_index
+
+
+#: ``PALLAS`` as a backend whose kernels read rows by index (``forward_reads_rows_by_index``).
+ROWS_BY_INDEX = PALLAS._replace(name="PALLAS, rows by index", forward=_reading_rows_by_index(PALLAS.forward),
+                                matmul=_reading_rows_by_index(PALLAS.matmul), forward_reads_rows_by_index=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_interpret_a_backend_reading_rows_by_index_gets_the_tokens(rng, fmt):
+    """A backend that reads rows by index gets the tokens and ``row_token_m`` in its forward and
+    in the gate/up matmul under differentiation (no ``[M, H]`` copy in XLA; the down matmul reads
+    SwiGLU's rows as they are); forward and gradients against float64."""
+    _READ_BY_INDEX.clear()
+    _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, backend=ROWS_BY_INDEX,
+           compute_capability=90, interpret=True)
+    assert _READ_BY_INDEX.count(True) == 2, _READ_BY_INDEX  # the fused forward, the gate/up matmul
+
+
 def _many_rows(experts: int, rows: int = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT) -> tuple[int, ...]:
     """Group sizes past ``rows`` per expert on average (by default
     :data:`tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT`), one expert empty and one a row over
@@ -158,24 +187,26 @@ def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "many_rows_by_index"])
 def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows):
     """``triton_lang.BF16_BACKEND``: the native bf16 tiles forward, the input gradients through the
     Pallas kernel at few rows per expert and the native kernel's many-rows tile at many
     (``BF16_MANY_ROWS_PER_EXPERT``), the weight gradient likewise (the Pallas kernel, then from
-    ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA)."""
+    ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA); ``by_index``: the
+    rows read from 61 tokens (the many-rows tiles reading them in the gate/up product under
+    differentiation)."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.BF16_TILES:
         pytest.skip(f"SM{cc} has no native bf16 tiles (measured on SM90 only)")
-    groups = (_many_rows(8, triton_lang.BF16_MANY_ROWS_PER_EXPERT) if rows == "many_rows"
-              else (150, 0, 3, 70, 1, 0, 40, 9))
-    if rows == "many_rows":
+    many = rows.startswith("many_rows")
+    groups = _many_rows(8, triton_lang.BF16_MANY_ROWS_PER_EXPERT) if many else (150, 0, 3, 70, 1, 0, 40, 9)
+    if many:
         assert triton_lang.bf16_many_rows_tile(triton_lang.Op.MATMUL, num_rows=sum(groups) + 37, num_experts=8,
                                                compute_capability=cc, transpose_w=True) is not None
     native_dw = sum(groups) + 37 >= tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT * len(groups)
-    assert native_dw == (rows == "many_rows")  # which weight gradient each case runs
-    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
+    assert native_dw == many  # which weight gradient each case runs
+    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows.endswith("by_index") else 0,
            backend=triton_lang.BF16_BACKEND, compute_capability=cc)
 
 

@@ -143,6 +143,28 @@ def test_rows_read_by_index_compile_for_sm90_like_rows_in_order(rows):
     assert by_index.registers <= in_order.registers + 16, (by_index.registers, in_order.registers)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "bf16"])
+def test_the_plain_matmul_reading_rows_by_index_compiles_for_sm90_like_rows_in_order(mode):
+    """The gate/up product as the forward under differentiation takes it (``Op.MATMUL`` reading a
+    layer's tokens by index), at the training shape (48 experts x 32768 rows: the bf16 many-rows
+    tile): the same MMAs and shared memory as in expert order, no spills."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    compiled = {}
+    for gather_rows in (0, 32768 // 8):
+        spec = triton_lang.make_spec(Op.MATMUL, triton_lang.Mode(mode), num_rows=32768, num_experts=48, k=h,
+                                     n_out=2 * f, scale_groups=1, compute_capability=90, gather_rows=gather_rows)
+        assert spec.constexprs()["GATHER_ROWS"] == gather_rows
+        compiled[gather_rows] = compiler.compile_jit(
+            triton_lang.kernel_function(), signature=triton_lang.signature(spec), constexprs=spec.constexprs(),
+            capability=90, num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
+            name=f"native_matmul_{mode}_gather_{gather_rows}")
+    in_order, by_index = compiled[0], compiled[32768 // 8]
+    assert by_index.spill_bytes == 0 and by_index.shared_bytes == in_order.shared_bytes
+    assert len(re.findall(EXPECTED[90][1], by_index.ptx)) == len(re.findall(EXPECTED[90][1], in_order.ptx)) > 0
+
+
 def test_offsets_past_int32_use_64_bit_bases():
     """Per expert and per row tile the kernel adds 64-bit bases; what stays 32-bit (offsets inside
     one expert's matrix and one row tile) fits at the largest published shapes."""

@@ -387,11 +387,19 @@ class Context:
         return self.budget_s is not None and time.time() - self.started > self.budget_s
 
 
-def compile_and_run(fn, args, options=None):
-    """(outputs, compile seconds) of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled."""
+def compile_and_run(fn, args, options=None, row=None):
+    """(outputs, compile seconds) of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled.
+    With ``row``, also records there ``compile_s`` and ``temp_gb``: the compiled program's
+    temporary buffers by XLA's memory analysis (what a step holds beyond its arguments and
+    outputs: the forward's residuals for the backward, the kernels' scratch)."""
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile(options or {})
     compile_s = time.perf_counter() - start
+    if row is not None:
+        row["compile_s"] = compile_s
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            row["temp_gb"] = memory.temp_size_in_bytes / 1e9
     return jax.block_until_ready(compiled(*args)), compile_s
 
 
@@ -498,7 +506,7 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
                 fn = cached(("step", impl), lambda: vjp_step(swapped_apply(impl, ctx.cc), True))  # noqa: B023
             else:
                 fn = registered_step(impl, case, plans)
-            result, row["compile_s"] = compile_and_run(fn, args)
+            result, _ = compile_and_run(fn, args, row=row)
             ok = check(row, rel_errs(result, ref), ctx.max_err)
             del result
             if ok:
@@ -561,7 +569,7 @@ def anchor_row(case: Case, shape: dict, ctx: Context) -> dict:
         w_d = (jax.random.normal(jax.random.fold_in(key, 1), (f, h), jnp.float32) / math.sqrt(f)).astype(jnp.bfloat16)
         args = (case.x, w_gu, w_d, case.dy)
         fn = cached(("anchor step", wrt), lambda: anchor_step(wrt))
-        result, row["compile_s"] = compile_and_run(fn, args)
+        result, _ = compile_and_run(fn, args, row=row)
         bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
         del result
         if bad:
@@ -596,7 +604,7 @@ def xla_step_row(case: Case, shape: dict, ctx: Context, plans: dict, pallas_row:
     try:
         ref = step_reference(case, ctx)
         fn = registered_step("xla", case, plans)
-        result, row["compile_s"] = compile_and_run(fn, args)
+        result, _ = compile_and_run(fn, args, row=row)
         ok = check(row, rel_errs(result, ref), ctx.max_err)
         del ref
         if ok and pallas_row is not None and "err" in pallas_row:
@@ -763,7 +771,7 @@ def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
                         return {"y": y, "dx": dx, "dw_gate_up": dp["experts"]["w_gate_up_egh"],
                                 "dw_down": dp["experts"]["w_down_ehf"], "dw_router": dp["router"]["w_eh"]}
 
-                    result, row["compile_s"] = compile_and_run(step, (params, x, dy))
+                    result, _ = compile_and_run(step, (params, x, dy), row=row)
                     bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
                     if bad:
                         raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")
@@ -940,14 +948,16 @@ def markdown(data: dict) -> str:
             "",
             "## Whole layer step (`moe_forward` + VJP under `jax.jit`)",
             "",
-            "| EP | rows/device | tokens | impl | exchange | time (ms) | tokens/s | err vs xla | note |",
-            "|---:|---:|---:|---|---|---:|---:|---:|---|",
+            "temp GB: the compiled step's temporary buffers (XLA's memory analysis).",
+            "",
+            "| EP | rows/device | tokens | impl | exchange | time (ms) | tokens/s | temp GB | err vs xla | note |",
+            "|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
         ]
         for row in data["layers"]:
             lines.append(
                 f"| {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | {row.get('exchange', '-')} | "
                 f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
-                f"{_num(row.get('err'), '.1e')} | {_note(row)} |")
+                f"{_num(row.get('temp_gb'), '.2f')} | {_num(row.get('err'), '.1e')} | {_note(row)} |")
     lines += ["", "## Targets", "", "| target | case | value | goal | met |",
               "|---|---|---:|---:|---|"]
     for goal in data["targets"]:

@@ -23,7 +23,9 @@ expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and
   three products; TFLOP/s at ``2 M N K`` each and backward over forward;
 * **layer** (``--layer``): ``moe_jax.moe_forward`` + its VJP under ``jax.jit`` (router,
   exchange, experts, shared expert), ``pallas``, ``triton`` (on GPUs) and ``xla``, for each
-  ``--ep`` size over that many local GPUs (``M`` rows per device: ``ep * M / top_k`` tokens).
+  ``--ep`` size over that many local GPUs (``M`` rows per device: ``ep * M / top_k`` tokens);
+  bf16 experts trained, or with ``--layer-weights nvfp4`` frozen NVFP4 experts (routed and
+  shared; gradients for ``x`` and the router).
 
 Routing: multinomial group sizes summing to M over the local experts, uniform (and Zipf with
 ``--skewed``, as ``grouped_gemm.py``), fixed seed.
@@ -58,6 +60,7 @@ Usage::
     python benchmarks/train_step.py --out DIR                       # 1 GPU, bf16, 8192 and 32768 rows
     python benchmarks/train_step.py --out DIR --nvfp4 --skewed       # + NVFP4 frozen weights, Zipf routing
     python benchmarks/train_step.py --out DIR --layer --ep 1 2       # + the layer step, EP over 2 GPUs
+    python benchmarks/train_step.py --out DIR --layer --layer-weights bf16 nvfp4 --skip-bf16-steps  # layers only
     python benchmarks/train_step.py --smoke --out DIR                # CPU, tiny shapes, interpreted kernels
 """
 
@@ -66,6 +69,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import itertools
 import json
 import math
 import os
@@ -712,85 +717,96 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
 
 
 def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
-    """``moe_forward`` + VJP under ``jax.jit`` at each EP size: ``pallas``, ``triton`` (not
-    interpreted), and ``xla`` (the reference their gradients are checked against) at the sizes in
-    ``--xla-rows``; rows are
-    appended to ``out`` (and saved) as they come."""
+    """``moe_forward`` + VJP under ``jax.jit`` for each of ``--layer-weights`` at each EP size:
+    ``pallas``, ``triton`` (not interpreted), and ``xla`` (the reference their gradients are
+    checked against) at the sizes in ``--xla-rows``; rows are appended to ``out`` (and saved) as
+    they come."""
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     import sharding  # noqa: PLC0415
-    from moe_jax import MoEConfig, moe_forward, random_params, resolve  # noqa: PLC0415
+    from moe_jax import MoEConfig, random_params, resolve  # noqa: PLC0415
 
     devices = jax.devices()
-    for ep in args.ep:
-        for rows in args.rows:
-            tokens = ep * rows // shape["top_k"]
-            base = {"kind": "layer", "ep": ep, "rows": rows, "tokens": tokens, "weights": "bf16",
-                    "experts_per_device": shape["experts"]}
-            if ctx.over_budget():
-                out.append({**base, "impl": "-", "error": "skipped: --budget-s spent"})
-                continue
-            if len(devices) < ep:
-                out.append({**base, "impl": "-", "error": f"needs {ep} devices, found {len(devices)}"})
-                say(out[-1], f"layer EP={ep} M={rows}")
-                continue
-            config = MoEConfig.kimi_k2(num_experts=shape["experts"] * ep, top_k=shape["top_k"],
-                                       hidden_size=shape["hidden"], expert_intermediate_size=shape["intermediate"],
-                                       interpret=ctx.interpret)
-            mesh = sharding.make_mesh(ep, devices=devices[:ep]) if ep > 1 else None
-            target = mesh if mesh is not None else devices[:1]
-            key = jax.random.key(ep * 7919 + rows)
-            ref = None
+    for weights, ep, rows in itertools.product(args.layer_weights, args.ep, args.rows):
+        tokens = ep * rows // shape["top_k"]
+        base = {"kind": "layer", "ep": ep, "rows": rows, "tokens": tokens, "weights": weights,
+                "experts_per_device": shape["experts"]}
+        if ctx.over_budget():
+            out.append({**base, "impl": "-", "error": "skipped: --budget-s spent"})
+            continue
+        if len(devices) < ep:
+            out.append({**base, "impl": "-", "error": f"needs {ep} devices, found {len(devices)}"})
+            say(out[-1], f"layer {weights} EP={ep} M={rows}")
+            continue
+        config = MoEConfig.kimi_k2(num_experts=shape["experts"] * ep, top_k=shape["top_k"],
+                                   hidden_size=shape["hidden"], expert_intermediate_size=shape["intermediate"],
+                                   weight_format=weights, interpret=ctx.interpret)
+        mesh = sharding.make_mesh(ep, devices=devices[:ep]) if ep > 1 else None
+        target = mesh if mesh is not None else devices[:1]
+        key = jax.random.key(ep * 7919 + rows)
+        ref = None
+        try:
+            params_plan = resolve(dataclasses.replace(config, expert_gemm="xla"), target, training=True)
+            params = random_params(config, key, params_plan)
+            x = jax.random.normal(jax.random.fold_in(key, 1), (tokens, shape["hidden"]), jnp.bfloat16)
+            dy = jax.random.normal(jax.random.fold_in(key, 2), (tokens, shape["hidden"]), jnp.bfloat16)
+            if mesh is not None:  # tokens over every mesh axis, as the layer splits them
+                tokens_spec = P(tuple(mesh.axis_names))
+                x, dy = (jax.device_put(a, NamedSharding(mesh, tokens_spec)) for a in (x, dy))
+        except Exception as err:  # noqa: BLE001
+            row = {**base, "impl": "-"}
+            failed(row, err)
+            out.append(row)
+            say(row, f"layer {weights} EP={ep} M={rows}")
+            continue
+        gpu_impls = [] if ctx.interpret else ["triton"]
+        for impl in (["xla"] if rows in ctx.xla_rows else []) + ["pallas"] + gpu_impls:
+            row = {**base, "impl": impl}
+            out.append(row)
             try:
-                params_plan = resolve(dataclasses.replace(config, expert_gemm="xla"), target, training=True)
-                params = random_params(config, key, params_plan)
-                x = jax.random.normal(jax.random.fold_in(key, 1), (tokens, shape["hidden"]), jnp.bfloat16)
-                dy = jax.random.normal(jax.random.fold_in(key, 2), (tokens, shape["hidden"]), jnp.bfloat16)
-                if mesh is not None:  # tokens over every mesh axis, as the layer splits them
-                    tokens_spec = P(tuple(mesh.axis_names))
-                    x, dy = (jax.device_put(a, NamedSharding(mesh, tokens_spec)) for a in (x, dy))
+                plan = resolve(dataclasses.replace(config, expert_gemm=impl), target, training=True,
+                               tokens_per_device=tokens // ep)
+                row["exchange"] = plan.exchange
+                step = functools.partial(_layer_step, plan=plan, frozen=weights == "nvfp4")
+                result, _ = compile_and_run(step, (params, x, dy), row=row)
+                bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
+                if bad:
+                    raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")
+                if impl == "xla":
+                    ref, row["reference"], ok = result, "is the reference", True
+                elif ref is not None:
+                    ok = check(row, rel_errs(result, ref), ctx.max_err)
+                else:
+                    ok, row["reference"] = True, "none at this size (xla not run; see the step rows)"
+                del result
+                if ok:
+                    iters = ctx.xla_iters if impl == "xla" else ctx.iters
+                    seconds, _ = expert_parallel.timed(step, params, x, dy, iters=iters, windows=ctx.windows)
+                    row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds)
             except Exception as err:  # noqa: BLE001
-                row = {**base, "impl": "-"}
                 failed(row, err)
-                out.append(row)
-                say(row, f"layer EP={ep} M={rows}")
-                continue
-            gpu_impls = [] if ctx.interpret else ["triton"]
-            for impl in (["xla"] if rows in ctx.xla_rows else []) + ["pallas"] + gpu_impls:
-                row = {**base, "impl": impl}
-                out.append(row)
-                try:
-                    plan = resolve(dataclasses.replace(config, expert_gemm=impl), target, training=True,
-                                   tokens_per_device=tokens // ep)
-                    row["exchange"] = plan.exchange
+            say(row, f"layer {weights} {impl} EP={ep} M={rows}/device")
+            save()
+        del params, x, dy, ref
 
-                    def step(params, x, dy, plan=plan):
-                        y, pull = jax.vjp(lambda p, x: moe_forward(p, x, plan)[0], params, x)
-                        dp, dx = pull(dy)
-                        return {"y": y, "dx": dx, "dw_gate_up": dp["experts"]["w_gate_up_egh"],
-                                "dw_down": dp["experts"]["w_down_ehf"], "dw_router": dp["router"]["w_eh"]}
 
-                    result, _ = compile_and_run(step, (params, x, dy), row=row)
-                    bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
-                    if bad:
-                        raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")
-                    if impl == "xla":
-                        ref, row["reference"], ok = result, "is the reference", True
-                    elif ref is not None:
-                        ok = check(row, rel_errs(result, ref), ctx.max_err)
-                    else:
-                        ok, row["reference"] = True, "none at this size (xla not run; see the step rows)"
-                    del result
-                    if ok:
-                        iters = ctx.xla_iters if impl == "xla" else ctx.iters
-                        seconds, _ = expert_parallel.timed(step, params, x, dy, iters=iters, windows=ctx.windows)
-                        row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds)
-                except Exception as err:  # noqa: BLE001
-                    failed(row, err)
-                say(row, f"layer {impl} EP={ep} M={rows}/device")
-                save()
-            del params, x, dy, ref
+def _layer_step(params, x, dy, *, plan, frozen: bool) -> dict:
+    """``moe_forward`` and its VJP: the outputs and gradients compared and timed. ``frozen``
+    (NVFP4 experts): gradients for ``x`` and the router's weights only, as a fine-tune through
+    frozen quantized experts takes them."""
+    from moe_jax import moe_forward  # noqa: PLC0415
+
+    if frozen:
+        def forward(router, x):
+            return moe_forward({**params, "router": router}, x, plan)[0]
+        y, pull = jax.vjp(forward, params["router"], x)
+        d_router, dx = pull(dy)
+        return {"y": y, "dx": dx, "dw_router": d_router["w_eh"]}
+    y, pull = jax.vjp(lambda p, x: moe_forward(p, x, plan)[0], params, x)
+    dp, dx = pull(dy)
+    return {"y": y, "dx": dx, "dw_gate_up": dp["experts"]["w_gate_up_egh"],
+            "dw_down": dp["experts"]["w_down_ehf"], "dw_router": dp["router"]["w_eh"]}
 
 
 # --- targets, report, plot --------------------------------------------------------------------
@@ -950,12 +966,13 @@ def markdown(data: dict) -> str:
             "",
             "temp GB: the compiled step's temporary buffers (XLA's memory analysis).",
             "",
-            "| EP | rows/device | tokens | impl | exchange | time (ms) | tokens/s | temp GB | err vs xla | note |",
-            "|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
+            "| weights | EP | rows/device | tokens | impl | exchange | time (ms) | tokens/s | temp GB | err vs xla | note |",
+            "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
         ]
         for row in data["layers"]:
             lines.append(
-                f"| {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | {row.get('exchange', '-')} | "
+                f"| {row.get('weights', 'bf16')} | {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | "
+                f"{row.get('exchange', '-')} | "
                 f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
                 f"{_num(row.get('temp_gb'), '.2f')} | {_num(row.get('err'), '.1e')} | {_note(row)} |")
     lines += ["", "## Targets", "", "| target | case | value | goal | met |",
@@ -1084,6 +1101,9 @@ def parse_args(argv=None):
     parser.add_argument("--skewed", action="store_true", help="also Zipf-skewed routing")
     parser.add_argument("--layer", action="store_true", help="also the whole layer step (moe_forward + VJP)")
     parser.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes of the layer rows")
+    parser.add_argument("--layer-weights", nargs="+", choices=("bf16", "nvfp4"), default=["bf16"],
+                        help="the layer rows' routed and shared experts: bf16 (trained), or NVFP4 (frozen: "
+                             "gradients for x and the router only)")
     parser.add_argument("--xla-rows", type=int, nargs="*", default=None,
                         help="rows at which the xla path runs (default: all of --rows; it is slow: dense expansion)")
     parser.add_argument("--skip-gemms", action="store_true", help="no GEMM-alone rows")

@@ -98,7 +98,8 @@ def test_smoke_steps_and_gemms(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
-    data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2", "--profile", "1")
+    data = _run(tmp_path, "--skewed", "--skip-gemms", "--layer", "--ep", "1", "2", "--layer-weights", "bf16", "nvfp4",
+                "--profile", "1")
     bound = data["meta"]["max_err"]
     assert not data["gemms"]
     # --profile: each timed pallas step recorded once under jax.profiler (the CPU's trace has no GPU
@@ -111,11 +112,15 @@ def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
     assert {(r["impl"], r["routing"]) for r in data["steps"]} == {
         (i, r) for i in ("xla", "pallas") for r in ("uniform", "zipf")}
     layers = data["layers"]
-    assert [(r["ep"], r["impl"]) for r in layers] == [(1, "xla"), (1, "pallas"), (2, "xla"), (2, "pallas")]
+    assert [(r["weights"], r["ep"], r["impl"]) for r in layers] == [
+        (w, ep, impl) for w in ("bf16", "nvfp4") for ep in (1, 2) for impl in ("xla", "pallas")]
+    # Trained bf16 experts: every weight's gradient compared; frozen NVFP4 experts: x and the router's.
+    assert [set(r["errs"]) for r in layers if r["impl"] == "pallas"] == [
+        {"y", "dx", "dw_gate_up", "dw_down", "dw_router"}] * 2 + [{"y", "dx", "dw_router"}] * 2
     for row in data["steps"] + layers:
         if row["impl"] == "xla":
             _check_timed(row, bound)
-    assert layers[2]["exchange"] == "padded"
+    assert layers[2]["exchange"] == layers[6]["exchange"] == "padded"
     assert all(r["tokens"] == r["ep"] * r["rows"] // data["meta"]["shape"]["top_k"] for r in layers)
     for row in data["steps"] + layers:
         _check_timed(row, bound)

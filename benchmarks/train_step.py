@@ -971,7 +971,7 @@ def markdown(data: dict) -> str:
         ]
         for row in data["layers"]:
             lines.append(
-                f"| {row.get('weights', 'bf16')} | {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | "
+                f"| {row['weights']} | {row['ep']} | {row['rows']} | {row['tokens']} | {row['impl']} | "
                 f"{row.get('exchange', '-')} | "
                 f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
                 f"{_num(row.get('temp_gb'), '.2f')} | {_num(row.get('err'), '.1e')} | {_note(row)} |")

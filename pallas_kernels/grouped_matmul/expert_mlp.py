@@ -135,6 +135,11 @@ def check_row_token(row_token_m) -> None:
         raise ValueError(f"row_token_m: {found}, expected int32 [M]")
 
 
+def num_token_rows(x, row_token_m) -> int:
+    """``M``: the rows an op reads, ``x``'s own or, if ``row_token_m`` is given, one per index."""
+    return x.shape[0] if row_token_m is None else row_token_m.shape[0]
+
+
 def token_rows(x, row_token_m) -> jax.Array:
     """``[M, H]``: ``x`` as it is, or its rows ``row_token_m`` in that order, the indices clamped
     into ``[0, T)`` as the kernels that read rows by index clamp them."""
@@ -231,7 +236,7 @@ def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, 
                     group_sizes_e, w_gate_up, w_down):
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
     w_gate_up_k, w_down_k = _kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize)
-    num_rows = x.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x, row_token_m)
     w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, num_rows)
     # h_mg: bf16, kept. A backend that reads rows by index takes the tokens: no [M, H] copy.
     if row_token_m is not None and backend.forward_reads_rows_by_index:

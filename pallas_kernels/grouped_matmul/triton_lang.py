@@ -47,7 +47,7 @@ from pallas_kernels.grouped_matmul import (
     PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
 )
 from pallas_kernels.grouped_matmul import triton_launch, triton_padding_rows, triton_weight_grad, tuning
-from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, token_rows
+from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, num_token_rows, token_rows
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant
 
 K_MULTIPLE = 64
@@ -1161,7 +1161,7 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
     saves a pass over the intermediate activations between them."""
     triton_launch.not_interpreted(interpret)
     h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, _check_group_sizes(group_sizes_e))
-    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x_mh, row_token_m)
     order = k_order(Op.MATMUL, num_rows=num_rows, num_experts=group_sizes_e.shape[0], k=f, n_out=h,
                     compute_capability=compute_capability)
     a_mf = run(Op.GATE_UP_SWIGLU, x_mh, w_gate_up, group_sizes_e, compute_capability=compute_capability,
@@ -1194,7 +1194,7 @@ def _bf16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     """The native bf16 tiles at prefill sizes, their gate/up kernel reading rows by index if
     ``row_token_m`` is given; decode sizes through the Pallas kernels (rows gathered first)."""
     triton_launch.not_interpreted(interpret)
-    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x_mh, row_token_m)
     if not _prefill(num_rows, group_sizes_e, compute_capability):
         return PALLAS.forward(token_rows(x_mh, row_token_m), group_sizes_e, w_gate_up, w_down,
                               compute_capability=compute_capability, interpret=False)
@@ -1207,7 +1207,7 @@ def _bf16_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: 
     """``x @ W_e^T`` of bf16 weights: :func:`bf16_matmul` at prefill sizes (rows read by index if
     ``row_token_m`` is given), the Pallas kernel below (rows gathered first)."""
     triton_launch.not_interpreted(interpret)
-    num_rows = x_mk.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x_mk, row_token_m)
     if not _prefill(num_rows, group_sizes_e, compute_capability):
         return PALLAS.matmul(token_rows(x_mk, row_token_m), w, group_sizes_e, compute_capability=compute_capability,
                              interpret=False)
@@ -1222,7 +1222,7 @@ def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
     its bf16 SwiGLU output quantized the same way; decode sizes W4A16
     (:func:`_w4a16_expert_mlp_forward`)."""
     triton_launch.not_interpreted(interpret)
-    num_rows = x_mh.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x_mh, row_token_m)
     if not _prefill(num_rows, group_sizes_e, compute_capability):
         return _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
                                          interpret=interpret, row_token_m=row_token_m)
@@ -1233,7 +1233,7 @@ def _w4a8_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_
 
 def _w4a8_matmul(x_mk, w, group_sizes_e, *, compute_capability: int, interpret: bool, row_token_m=None) -> jax.Array:
     triton_launch.not_interpreted(interpret)
-    num_rows = x_mk.shape[0] if row_token_m is None else row_token_m.shape[0]
+    num_rows = num_token_rows(x_mk, row_token_m)
     mode = Mode.W4A8 if _prefill(num_rows, group_sizes_e, compute_capability) else Mode.W4A16
     return run(Op.MATMUL, x_mk, w, group_sizes_e, compute_capability=compute_capability, mode=mode,
                row_token_m=row_token_m)

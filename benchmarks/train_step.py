@@ -393,8 +393,8 @@ class Context:
 
 
 def compile_and_run(fn, args, options=None, row=None):
-    """(outputs, compile seconds) of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled.
-    With ``row``, also records there ``compile_s`` and ``temp_gb``: the compiled program's
+    """The outputs of ``jax.jit(fn)`` compiled once; ``timed`` then finds it compiled. With
+    ``row``, records there ``compile_s`` and ``temp_gb``: the compiled program's
     temporary buffers by XLA's memory analysis (what a step holds beyond its arguments and
     outputs: the forward's residuals for the backward, the kernels' scratch)."""
     start = time.perf_counter()
@@ -405,7 +405,7 @@ def compile_and_run(fn, args, options=None, row=None):
         memory = compiled.memory_analysis()
         if memory is not None:
             row["temp_gb"] = memory.temp_size_in_bytes / 1e9
-    return jax.block_until_ready(compiled(*args)), compile_s
+    return jax.block_until_ready(compiled(*args))
 
 
 @jax.jit
@@ -474,7 +474,7 @@ def step_base(case: Case, shape: dict) -> dict:
 def step_reference(case: Case, ctx: Context) -> dict:
     wrt = case.fmt == "bf16"
     fn = cached(("dense step", wrt), lambda: vjp_step(dense_mlp, wrt))
-    return compile_and_run(fn, (case.x, case.weights, case.layout, case.dy), ctx.ref_options)[0]
+    return compile_and_run(fn, (case.x, case.weights, case.layout, case.dy), ctx.ref_options)
 
 
 def registered_step(impl: str, case: Case, plans: dict):
@@ -511,7 +511,7 @@ def step_rows(case: Case, shape: dict, ctx: Context, plans: dict) -> list[dict]:
                 fn = cached(("step", impl), lambda: vjp_step(swapped_apply(impl, ctx.cc), True))  # noqa: B023
             else:
                 fn = registered_step(impl, case, plans)
-            result, _ = compile_and_run(fn, args, row=row)
+            result = compile_and_run(fn, args, row=row)
             ok = check(row, rel_errs(result, ref), ctx.max_err)
             del result
             if ok:
@@ -574,7 +574,7 @@ def anchor_row(case: Case, shape: dict, ctx: Context) -> dict:
         w_d = (jax.random.normal(jax.random.fold_in(key, 1), (f, h), jnp.float32) / math.sqrt(f)).astype(jnp.bfloat16)
         args = (case.x, w_gu, w_d, case.dy)
         fn = cached(("anchor step", wrt), lambda: anchor_step(wrt))
-        result, _ = compile_and_run(fn, args, row=row)
+        result = compile_and_run(fn, args, row=row)
         bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
         del result
         if bad:
@@ -609,12 +609,12 @@ def xla_step_row(case: Case, shape: dict, ctx: Context, plans: dict, pallas_row:
     try:
         ref = step_reference(case, ctx)
         fn = registered_step("xla", case, plans)
-        result, _ = compile_and_run(fn, args, row=row)
+        result = compile_and_run(fn, args, row=row)
         ok = check(row, rel_errs(result, ref), ctx.max_err)
         del ref
         if ok and pallas_row is not None and "err" in pallas_row:
             # Compiled in step_rows already: the cache has it.
-            pallas_out, _ = compile_and_run(registered_step("pallas", case, plans), args)
+            pallas_out = compile_and_run(registered_step("pallas", case, plans), args)
             pallas_row["errs_vs_xla"] = rel_errs(pallas_out, result)
             pallas_row["err_vs_xla"] = max(pallas_row["errs_vs_xla"].values())
             del pallas_out
@@ -676,7 +676,7 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
             a, b = {"forward": (x, w), "input_grad": (dy, w), "weight_grad": (x, dy)}[op]
             base = {"kind": "gemm", **case.keys, "projection": projection, "op": op, "n": n, "k": k,
                     "flops": 2.0 * case.rows * n * k}
-            ref, _ = compile_and_run(cached(("ref gemm", op), lambda: reference_gemm(op)), (a, b, case.layout),
+            ref = compile_and_run(cached(("ref gemm", op), lambda: reference_gemm(op)), (a, b, case.layout),
                                      ctx.ref_options)
             # The native kernels' rows (W4A16 on NVFP4 weights) beside the Pallas kernels'.
             impls = {"pallas": (("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))}
@@ -691,7 +691,7 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
                 out.append(row)
                 try:
                     fn = cached(key, make)
-                    result, row["compile_s"] = compile_and_run(fn, (a, b, g))
+                    result = compile_and_run(fn, (a, b, g), row=row)
                     ok = check(row, {"out": max(rel_errs({"out": result}, {"out": ref}).values())}, ctx.max_err)
                     del result
                     if ok:
@@ -769,7 +769,7 @@ def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
                                tokens_per_device=tokens // ep)
                 row["exchange"] = plan.exchange
                 step = functools.partial(_layer_step, plan=plan, frozen=weights == "nvfp4")
-                result, _ = compile_and_run(step, (params, x, dy), row=row)
+                result = compile_and_run(step, (params, x, dy), row=row)
                 bad = [n for n, v in result.items() if not bool(jnp.isfinite(v.astype(jnp.float32)).all())]
                 if bad:
                     raise FloatingPointError(f"non-finite outputs: {', '.join(bad)}")

@@ -784,6 +784,8 @@ def layer_rows(args, shape: dict, ctx: Context, out: list, save) -> None:
                     iters = ctx.xla_iters if impl == "xla" else ctx.iters
                     seconds, _ = expert_parallel.timed(step, params, x, dy, iters=iters, windows=ctx.windows)
                     row.update(ms=seconds * 1e3, tokens_per_s=tokens / seconds)
+                    if ctx.profile_calls and impl != "xla":
+                        row["profile"] = kernel_profile(step, (params, x, dy), ctx.profile_calls)
             except Exception as err:  # noqa: BLE001
                 failed(row, err)
             say(row, f"layer {weights} {impl} EP={ep} M={rows}/device")
@@ -859,6 +861,28 @@ def _note(row):
     return row.get("error", "").replace("|", "/")[:160]
 
 
+PROFILE_INTRO = ("Per call, from calls recorded under `jax.profiler.trace` after timing: span = first kernel's start "
+                 "to last kernel's end, busy = time some kernel runs (span - busy: gaps between kernels); the "
+                 "kernels by time, the rest summed.")
+
+
+def profile_lines(title: str, row: dict) -> list[str]:
+    """A profiled row's section (``kernel_profile``): its span, busy time and kernels by time."""
+    p = row["profile"]
+    if not p["table"]:
+        return ["", f"### {title}: the trace holds no GPU kernels"]
+    lines = ["", f"### {title}", "",
+             f"wall {row['ms'] * 1e3:.0f} us; kernels: span {p['span_us']:.0f} us, busy {p['busy_us']:.0f} us, "
+             f"{p['kernels_per_call']:.0f} launches ({p['calls']} calls)", "",
+             "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
+    for k in p["table"]:
+        lines.append(f"| `{k['kernel'][:70]}` | `{k['hlo_op'][:50]}` | {k['launches_per_call']:.0f} | "
+                     f"{k['us_per_call']:.1f} | {k['us_per_call'] / p['busy_us']:.1%} |")
+    if p["rest_kernels"]:
+        lines.append(f"| {p['rest_kernels']} more | | | {p['rest_us']:.1f} | {p['rest_us'] / p['busy_us']:.1%} |")
+    return lines
+
+
 def markdown(data: dict) -> str:
     meta = data["meta"]
     shape = meta["shape"]
@@ -921,25 +945,9 @@ def markdown(data: dict) -> str:
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     profiled = [r for r in steps if r.get("profile")]
     if profiled:
-        lines += ["", "## Where each step's GPU time goes (`--profile`)", "",
-                  "Per call, from calls recorded under `jax.profiler.trace` after timing: span = first kernel's "
-                  "start to last kernel's end, busy = time some kernel runs (span - busy: gaps between kernels); "
-                  "the kernels by time, the rest summed."]
+        lines += ["", "## Where each step's GPU time goes (`--profile`)", "", PROFILE_INTRO]
         for row in profiled:
-            p = row["profile"]
-            if not p["table"]:
-                lines += ["", f"### {row['impl']}, {row['weights']} {row['routing']} M={row['rows']}: the trace holds no "
-                          "GPU kernels"]
-                continue
-            lines += ["", f"### {row['impl']}, {row['weights']} {row['routing']} M={row['rows']}", "",
-                      f"wall {row['ms'] * 1e3:.0f} us; kernels: span {p['span_us']:.0f} us, busy {p['busy_us']:.0f} us, "
-                      f"{p['kernels_per_call']:.0f} launches ({p['calls']} calls)", "",
-                      "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
-            for k in p["table"]:
-                lines.append(f"| `{k['kernel'][:70]}` | `{k['hlo_op'][:50]}` | {k['launches_per_call']:.0f} | "
-                             f"{k['us_per_call']:.1f} | {k['us_per_call'] / p['busy_us']:.1%} |")
-            if p["rest_kernels"]:
-                lines.append(f"| {p['rest_kernels']} more | | | {p['rest_us']:.1f} | {p['rest_us'] / p['busy_us']:.1%} |")
+            lines += profile_lines(f"{row['impl']}, {row['weights']} {row['routing']} M={row['rows']}", row)
     lines += [
         "",
         "## Grouped GEMMs alone",
@@ -975,6 +983,12 @@ def markdown(data: dict) -> str:
                 f"{row.get('exchange', '-')} | "
                 f"{_num(row.get('ms'), '.3f')} | {_num(row.get('tokens_per_s'), '.0f')} | "
                 f"{_num(row.get('temp_gb'), '.2f')} | {_num(row.get('err'), '.1e')} | {_note(row)} |")
+        profiled = [r for r in data["layers"] if r.get("profile")]
+        if profiled:
+            lines += ["", "### Where each layer step's GPU time goes (`--profile`)", "", PROFILE_INTRO]
+            for row in profiled:
+                lines += [line.replace("### ", "#### ", 1) for line in profile_lines(
+                    f"layer {row['weights']} {row['impl']} EP={row['ep']} M={row['rows']}/device", row)]
     lines += ["", "## Targets", "", "| target | case | value | goal | met |",
               "|---|---|---:|---:|---|"]
     for goal in data["targets"]:
@@ -1110,7 +1124,8 @@ def parse_args(argv=None):
     parser.add_argument("--skip-bf16-steps", action="store_true",
                         help="no bf16 expert-MLP step rows (with --nvfp4 or --layer: only those)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
-                        help="record CALLS calls of each timed JAX step under jax.profiler: its kernels by time")
+                        help="record CALLS calls of each timed JAX step and layer step under jax.profiler: "
+                             "its kernels by time")
     parser.add_argument("--iters", type=int, default=10, help="calls per timing window")
     parser.add_argument("--windows", type=int, default=5, help="timing windows (median)")
     parser.add_argument("--xla-iters", type=int, default=2, help="calls per window for the xla path")

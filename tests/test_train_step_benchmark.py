@@ -108,7 +108,8 @@ def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
         assert (row["impl"] == "pallas") == ("profile" in row), row
         if "profile" in row:
             assert row["profile"]["calls"] == 1 and row["profile"]["table"] == [], row["profile"]
-    assert "## Where each step's GPU time goes" in (tmp_path / "train_step.md").read_text()
+    page = (tmp_path / "train_step.md").read_text()
+    assert "## Where each step's GPU time goes" in page
     assert {(r["impl"], r["routing"]) for r in data["steps"]} == {
         (i, r) for i in ("xla", "pallas") for r in ("uniform", "zipf")}
     layers = data["layers"]
@@ -120,6 +121,11 @@ def test_smoke_skewed_steps_and_the_layer_with_expert_parallelism(tmp_path):
     for row in data["steps"] + layers:
         if row["impl"] == "xla":
             _check_timed(row, bound)
+    # The layer steps are profiled as the expert-MLP steps are (pallas, not the slow xla path).
+    for row in layers:
+        assert (row["impl"] == "pallas") == ("profile" in row), row
+    assert "### Where each layer step's GPU time goes" in page
+    assert "#### layer nvfp4 pallas EP=2 M=" in page
     assert layers[2]["exchange"] == layers[6]["exchange"] == "padded"
     assert all(r["tokens"] == r["ep"] * r["rows"] // data["meta"]["shape"]["top_k"] for r in layers)
     for row in data["steps"] + layers:
@@ -142,6 +148,14 @@ def test_profile_renders_the_kernels_by_time():
     assert "wall 16000 us; kernels: span 15900 us, busy 15000 us, 40 launches (3 calls)" in page
     assert "| `_kernel` | `custom-call.3` | 2 | 6000.0 | 40.0% |" in page
     assert "| 30 more | | | 9000.0 | 60.0% |" in page
+    # A layer step's profile: its own subsection under the layer table.
+    layer = {"weights": "nvfp4", "ep": 1, "rows": 32768, "tokens": 4096, "impl": "triton", "exchange": "none",
+             "ms": 19.3, "tokens_per_s": 212000.0, "temp_gb": 4.2, "profile": row["profile"]}
+    page = bench.markdown({**data, "steps": [], "layers": [layer]})
+    assert "## Where each step's GPU time goes" not in page
+    assert "### Where each layer step's GPU time goes (`--profile`)" in page
+    assert "#### layer nvfp4 triton EP=1 M=32768/device" in page
+    assert "wall 19300 us; kernels: span 15900 us, busy 15000 us, 40 launches (3 calls)" in page
 
 
 def test_profile_calls_must_not_be_negative(capsys):

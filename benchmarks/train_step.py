@@ -677,7 +677,7 @@ def gemm_rows(case: Case, shape: dict, ctx: Context) -> list[dict]:
             base = {"kind": "gemm", **case.keys, "projection": projection, "op": op, "n": n, "k": k,
                     "flops": 2.0 * case.rows * n * k}
             ref = compile_and_run(cached(("ref gemm", op), lambda: reference_gemm(op)), (a, b, case.layout),
-                                     ctx.ref_options)
+                                  ctx.ref_options)
             # The native kernels' rows (W4A16 on NVFP4 weights) beside the Pallas kernels'.
             impls = {"pallas": (("gemm", op), lambda: kernel_gemm(op, ctx.cc, ctx.interpret))}
             if case.fmt == "nvfp4" and not ctx.interpret:

@@ -866,12 +866,13 @@ PROFILE_INTRO = ("Per call, from calls recorded under `jax.profiler.trace` after
                  "kernels by time, the rest summed.")
 
 
-def profile_lines(title: str, row: dict) -> list[str]:
-    """A profiled row's section (``kernel_profile``): its span, busy time and kernels by time."""
+def profile_lines(title: str, row: dict, heading: str = "###") -> list[str]:
+    """A profiled row's section (``kernel_profile``) under a ``heading`` of that level: its span,
+    busy time and kernels by time."""
     p = row["profile"]
     if not p["table"]:
-        return ["", f"### {title}: the trace holds no GPU kernels"]
-    lines = ["", f"### {title}", "",
+        return ["", f"{heading} {title}: the trace holds no GPU kernels"]
+    lines = ["", f"{heading} {title}", "",
              f"wall {row['ms'] * 1e3:.0f} us; kernels: span {p['span_us']:.0f} us, busy {p['busy_us']:.0f} us, "
              f"{p['kernels_per_call']:.0f} launches ({p['calls']} calls)", "",
              "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
@@ -987,8 +988,8 @@ def markdown(data: dict) -> str:
         if profiled:
             lines += ["", "### Where each layer step's GPU time goes (`--profile`)", "", PROFILE_INTRO]
             for row in profiled:
-                lines += [line.replace("### ", "#### ", 1) for line in profile_lines(
-                    f"layer {row['weights']} {row['impl']} EP={row['ep']} M={row['rows']}/device", row)]
+                lines += profile_lines(f"layer {row['weights']} {row['impl']} EP={row['ep']} M={row['rows']}/device",
+                                       row, heading="####")
     lines += ["", "## Targets", "", "| target | case | value | goal | met |",
               "|---|---|---:|---:|---|"]
     for goal in data["targets"]:

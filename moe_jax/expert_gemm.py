@@ -1,11 +1,14 @@
 """The routed experts' MLP (gate/up projection, SwiGLU, down projection) and its registry.
 
-Every implementation has the signature ``run(x_mh, group_sizes_e, weights, plan, *, row_token_m=None) -> y_mh``:
+Every implementation has the signature
+``run(x_mh, group_sizes_e, weights, plan, *, row_token_m=None, token_row_tk=None) -> y_mh``:
 
 * ``x_mh``: ``[M, H]`` rows sorted by expert, rows of expert ``e`` contiguous; or, with
   ``row_token_m`` (int32 ``[M]``), the tokens ``[T, H]`` in any order, row ``m`` being
   ``x[row_token_m[m]]``: the ``triton`` gate/up kernels read them in place, the other paths gather
-  them first (:func:`token_rows`);
+  them first (:func:`token_rows`); ``token_row_tk`` (int32 ``[T, k]``, with ``row_token_m``, or
+  None): each token's rows, ``row_token_m``'s transpose, from which every path's gradient of the
+  tokens is a gather rather than a scatter-add (``pallas_kernels.grouped_matmul.expert_mlp``);
 * ``group_sizes_e``: int32 ``[E_local]``; rows past ``sum(group_sizes_e)`` are padding, and
   their outputs are unspecified;
 * ``weights``: ``{"w_gate_up_egh": [E_local, 2F, H], "w_down_ehf": [E_local, H, F]}``, each a
@@ -241,7 +244,7 @@ def grouped_matmul(a_mk, w_enk, group_sizes_e, *, platform: str, precision=None)
 # One program for the stage: a caller outside ``jit`` (tests and scripts that run the layer
 # eagerly) compiles it once per shape instead of each of its few hundred small ops on its own.
 @functools.partial(jax.jit, static_argnums=3)
-def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
+def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None, token_row_tk=None):
     """Reference path: dequantize, then :func:`grouped_matmul` (fp32 accumulation, work O(rows)).
 
     The SwiGLU output is rounded to ``config.dtype`` before the down projection, as a
@@ -258,7 +261,7 @@ def xla_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=Non
     """
     config = plan.config
     dtype = jnp.dtype(config.dtype)
-    x_mh = token_rows(x_mh, row_token_m)
+    x_mh = token_rows(x_mh, row_token_m, token_row_tk)
     match config.reference_activations:
         case "bf16":
             quantized_rows, operand_dtype, precision = False, dtype, None
@@ -311,7 +314,7 @@ def _quantize(plan: Plan):
     return nvfp4.quantize if plan.config.qat else None
 
 
-def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
+def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None, token_row_tk=None):
     """The Pallas kernels (:func:`pallas_kernels.grouped_matmul.expert_mlp`, backend
     ``PALLAS``): fused gate/up + SwiGLU, then the down projection.
 
@@ -328,7 +331,7 @@ def pallas_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
     return pallas_gmm.expert_mlp(
         x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"], backend=pallas_gmm.PALLAS,
         compute_capability=plan.target.compute_capability or INTERPRET_CAPABILITY, interpret=plan.config.interpret,
-        quantize=_quantize(plan), row_token_m=row_token_m)
+        quantize=_quantize(plan), row_token_m=row_token_m, token_row_tk=token_row_tk)
 
 
 def _pallas_cannot_run(target: Target, config: MoEConfig) -> str | None:
@@ -356,7 +359,7 @@ def _triton_lang():
     return triton_lang
 
 
-def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None):
+def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=None, token_row_tk=None):
     """The Triton-language NVFP4 kernels (``pallas_kernels.grouped_matmul.triton_lang``, through
     jax-triton): fused gate/up + SwiGLU, then the down projection.
 
@@ -384,15 +387,15 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
     if plan.config.weight_format == "bf16":
         return pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
                                      backend=triton_lang.BF16_BACKEND, compute_capability=cc,
-                                     row_token_m=row_token_m).astype(plan.config.dtype)
+                                     row_token_m=row_token_m, token_row_tk=token_row_tk).astype(plan.config.dtype)
     match triton_lang.mode_for(cc):
         case triton_lang.Mode.W4A16:
             backend = triton_lang.W4A8_BACKEND if plan.config.prefill_activations == "fp8" else triton_lang.W4A16_BACKEND
             y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
                                          backend=backend, compute_capability=cc, quantize=_quantize(plan),
-                                         row_token_m=row_token_m)
+                                         row_token_m=row_token_m, token_row_tk=token_row_tk)
         case triton_lang.Mode.W4A4:
-            x_mh = token_rows(x_mh, row_token_m)
+            x_mh = token_rows(x_mh, row_token_m, token_row_tk)
             gate_up_scale_e, down_scale_e = _static_scales(weights)
             a_mf = triton_lang.run(triton_lang.Op.GATE_UP_SWIGLU,
                                    triton_lang.NVFP4Rows(*_nvfp4_rows(x_mh, gate_up_scale_e, group_sizes_e)),

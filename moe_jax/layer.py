@@ -313,9 +313,10 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     # (benchmarks/NOTES.md, section 7).
     expert_weights = _varying_over(_expert_weights(params, config), axis_names)
 
-    def expert_fn(x_mh, group_sizes_e, row_token_m=None):
+    def expert_fn(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None):
         with jax.named_scope(plan.scope(EXPERT_GEMM.stage)):
-            return expert_impl.run(x_mh, group_sizes_e, expert_weights, plan, row_token_m=row_token_m)
+            return expert_impl.run(x_mh, group_sizes_e, expert_weights, plan, row_token_m=row_token_m,
+                                   token_row_tk=token_row_tk)
 
     with jax.named_scope(plan.scope(EXCHANGE.stage)):
         y_th, dropped, rows_sent = EXCHANGE[plan.exchange].run(

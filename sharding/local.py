@@ -67,20 +67,57 @@ def dispatch(
     return x_th[row_token_c], group_sizes_e, order_m
 
 
+def inverse_order(order_m: jax.Array) -> jax.Array:
+    """int32 ``[T*k]``: each assignment's sorted position, ``order_m`` inverted by one scatter (it
+    is a permutation: unique indices), not by a second sort. ``position_m.reshape(T, k)`` lists
+    each token's rows in expert order (those ``>= C`` dropped by a capacity)."""
+    return jnp.zeros_like(order_m).at[order_m].set(jnp.arange(order_m.shape[0], dtype=order_m.dtype),
+                                                   unique_indices=True)
+
+
 def combine(y_ch: jax.Array, order_m: jax.Array, weights_tk: jax.Array) -> jax.Array:
     """Inverse of :func:`dispatch` plus the weighted sum over the k slots.
 
     Rows dropped by a capacity contribute zero. A gather (not a one-hot matmul) puts rows
     back, so a non-finite row reaches only its own token. Returns float32 ``[T, H]``.
+    Differentiable; the gradient of ``y_ch`` is a gather too (each kept row's weight times its
+    token's cotangent), where differentiating the gather would scatter-add into the rows.
     """
-    t, k = weights_tk.shape
+    return _combine(y_ch, order_m, weights_tk)
+
+
+def _combined_rows(y_ch, order_m, position_m, t: int, k: int) -> jax.Array:
+    """float32 ``[T, k, H]``: each assignment's row of ``y_ch``, zero where a capacity dropped it."""
     kept = y_ch.shape[0]
-    # The sorted position of each assignment: order_m inverted by one scatter (it is a
-    # permutation), not by a second sort.
-    position_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(order_m.shape[0], dtype=order_m.dtype),
-                                                          unique_indices=True)
     # The hidden size spelled out: ``-1`` cannot be inferred from an empty array (T = 0).
     y_tkh = y_ch[jnp.minimum(position_m, kept - 1)].reshape(t, k, y_ch.shape[-1]).astype(jnp.float32)
     if kept < order_m.shape[0]:
         y_tkh = jnp.where((position_m < kept).reshape(t, k, 1), y_tkh, 0.0)
+    return y_tkh
+
+
+@jax.custom_vjp
+def _combine(y_ch, order_m, weights_tk):
+    t, k = weights_tk.shape
+    y_tkh = _combined_rows(y_ch, order_m, inverse_order(order_m), t, k)
     return jnp.einsum("tk,tkh->th", weights_tk.astype(jnp.float32), y_tkh)
+
+
+def _combine_fwd(y_ch, order_m, weights_tk):
+    return _combine(y_ch, order_m, weights_tk), (y_ch, order_m, weights_tk)
+
+
+def _combine_bwd(residuals, dy_th):
+    y_ch, order_m, weights_tk = residuals
+    t, k = weights_tk.shape
+    dy_th = dy_th.astype(jnp.float32)
+    # Kept row i is assignment order_m[i]: token order_m[i] // k, weight weights_tk.flat[order_m[i]].
+    assignment_c = order_m[:y_ch.shape[0]]
+    weight_c = weights_tk.reshape(-1)[assignment_c].astype(jnp.float32)
+    dy_ch = (weight_c[:, None] * dy_th[assignment_c // k]).astype(y_ch.dtype)
+    y_tkh = _combined_rows(y_ch, order_m, inverse_order(order_m), t, k)
+    dweights_tk = jnp.einsum("th,tkh->tk", dy_th, y_tkh).astype(weights_tk.dtype)
+    return dy_ch, None, dweights_tk
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -164,6 +164,13 @@ def make(config: MoEConfig, rng, tokens: int = 24, *, own_scales: bool = False):
     return random_params(config, rng, own_scales=own_scales), random_tokens(rng, (tokens, config.hidden_size))
 
 
+def float_scatters(hlo: str) -> list[tuple[int, ...]]:
+    """The result shapes of the scatters of floating-point values in HLO text
+    (``Lowered.as_text(dialect="hlo")``)."""
+    return [tuple(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"= (?:f16|bf16|f32|f64)\[([0-9,]*)\]\S* scatter\(", hlo)]
+
+
 def rel_err(y, ref, axis=None):
     """Relative (Frobenius) error of ``y`` against the float64 ``ref``, overall or along ``axis``."""
     y = np.asarray(y, np.float64)

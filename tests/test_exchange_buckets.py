@@ -41,7 +41,7 @@ DROPLESS_CALLS = [((10, False), (11, False)), ((12, False), (13, False)), ((16, 
 CAPACITY_CALLS = [((10, False), (0, True)), ((32, False), (12, True))]
 
 
-def expert_by_id(x_mh, group_sizes_e, row_token_m=None):
+def expert_by_id(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None):
     """Each row times one plus its global expert; rows past the groups are padding. With
     ``row_token_m`` (the exchanges that gather locally) row ``m`` is ``x[row_token_m[m]]``."""
     x_mh = x_mh if row_token_m is None else x_mh[row_token_m]

@@ -110,7 +110,7 @@ def test_one_copy_per_device_sends_fewer_rows_at_ep8(rng, cpu_devices, routing):
     ids_tk, weights_tk = moe_jax.router.route(logits, config, correction_bias_e=jnp.zeros((e,), jnp.float32))
     x_th = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
     mesh = expert_mesh(cpu_devices, ep)
-    identity = lambda x_mh, group_sizes_e, row_token_m=None: x_mh if row_token_m is None else x_mh[row_token_m]
+    identity = lambda x_mh, group_sizes_e, row_token_m=None, token_row_tk=None: x_mh if row_token_m is None else x_mh[row_token_m]
     y_r, _, ragged_rows = run_exchange(sharding.ragged_exchange, mesh, x_th, ids_tk, weights_tk, identity, e)
     y_o, _, onecopy_rows = run_exchange(sharding.onecopy_exchange, mesh, x_th, ids_tk, weights_tk, identity, e)
     ids = np.asarray(ids_tk)
@@ -132,7 +132,7 @@ def test_onecopy_within_the_float32_bound_on_adversarial_magnitudes(rng, cpu_dev
     scale_e = jnp.asarray(2.0 ** rng.integers(-40, 41, e) * rng.choice([-1, 1], e), jnp.float32)
 
     def scaled(offset):
-        def expert_fn(x_mh, group_sizes_e, row_token_m=None):
+        def expert_fn(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None):
             if row_token_m is not None:  # 'none' passes the tokens and each row's token
                 x_mh = x_mh[row_token_m]
             local_m = jnp.searchsorted(jnp.cumsum(group_sizes_e), jnp.arange(x_mh.shape[0]), side="right")

@@ -93,7 +93,7 @@ def test_sliced_ragged_updates_match_padded(rng, cpu_devices, min_updates_per_pe
     ids_tk = jnp.asarray(np.argsort(rng.random((ep * tokens, e)), axis=1)[:, :k], jnp.int32)
     weights_tk = jnp.asarray(rng.random((ep * tokens, k)), jnp.float32)
 
-    def by_local_expert(x_mh, group_sizes_e, row_token_m=None):
+    def by_local_expert(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None):
         x_mh = x_mh if row_token_m is None else x_mh[row_token_m]
         expert_m = jnp.searchsorted(jnp.cumsum(group_sizes_e), jnp.arange(x_mh.shape[0]), side="right")
         return x_mh * (1.0 + expert_m[:, None] + 10.0 * jax.lax.axis_index("expert"))

@@ -24,14 +24,17 @@
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
 #   wgrad     the native weight gradient (rows by TMA): its Kimi-size tests against float64, its
 #             tile sweep beside the Pallas table tile and torch at 32768 and 8192 rows (~300 s)
+#   layer_grads  the whole layer's training step (bf16 and frozen NVFP4 experts, 4096 tokens x 8,
+#             profiled) with main's library (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this
+#             tree's, alternating twice: the tokens' and the combine's gradients by gathers (~450 s)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu|wgrad) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad)"; exit 2 ;;
+  layer|probes|training|w4a8|ncu|wgrad|layer_grads) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -94,6 +97,18 @@ case "$call" in
       --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
       --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
+    ;;
+  layer_grads)
+    # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
+    base=${BASE:?"BASE=<main's commit>, whose library is .whl/base_<commit>.tgz"}
+    mkdir -p /tmp/base && tar xzf ".whl/base_$base.tgz" -C /tmp/base && cp -r benchmarks /tmp/base/
+    for i in 1 2; do
+      step "layer_grads_base_$i" 110 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/train_step.py \
+        --out "$out/base_$i" --rows 32768 --layer --layer-weights nvfp4 bf16 --skip-bf16-steps --skip-gemms \
+        --xla-rows --profile 3 --budget-s 80 --commit "$base"
+      step "layer_grads_$i" 110 python benchmarks/train_step.py --out "$out/tree_$i" --rows 32768 --layer \
+        --layer-weights nvfp4 bf16 --skip-bf16-steps --skip-gemms --xla-rows --profile 3 --budget-s 80
+    done
     ;;
   wgrad)
     step wgrad_tests 90 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kimi_size_gpu.py -k weight_grad

@@ -3,7 +3,7 @@
 Public API::
 
     expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend, compute_capability, interpret=False,
-               quantize=None, row_token_m=None) -> y_mh
+               quantize=None, row_token_m=None, token_row_tk=None) -> y_mh
 
 ``y_mh = down(silu(x W_gate^T) * (x W_up^T))`` per expert, a ``jax.custom_vjp``:
 
@@ -26,6 +26,12 @@ Arguments:
   writes the ``[M, H]`` copy in expert order in the forward, with or without differentiation
   (the weight gradient gathers it); the others gather it in XLA. The gradient of ``x`` sums each
   token's rows in float32.
+* ``token_row_tk``: None, or (with ``row_token_m``) int32 ``[T, k]``, the transpose of
+  ``row_token_m``: token ``t``'s rows, every ``m`` with ``row_token_m[m] == t`` (padding rows,
+  whose gradient is zero, may be left out), in any order; entries outside ``[0, M)`` are none
+  (a token with fewer rows). The caller that sorted the rows has it (the inverse of its
+  permutation). The gradient of ``x`` then sums each token's rows by a gather, not by a
+  scatter-add into the tokens, whose duplicate indices a GPU adds one row at a time.
 * ``group_sizes_e``: int32 ``[E]``.
 * ``w_gate_up``: ``[E, 2F, H]`` (out, in; gate rows before up rows), ``w_down``: ``[E, H, F]``.
   Each is a bf16 array (trainable: it gets its gradient), or NVFP4 in ModelOpt's layout as a
@@ -140,10 +146,56 @@ def num_token_rows(x, row_token_m) -> int:
     return x.shape[0] if row_token_m is None else row_token_m.shape[0]
 
 
-def token_rows(x, row_token_m) -> jax.Array:
+def check_token_row(token_row_tk, x, row_token_m) -> None:
+    """Raises unless ``token_row_tk`` is int32 ``[T, k]`` for ``x``'s ``T`` rows, given with ``row_token_m``."""
+    if token_row_tk is None:
+        return
+    if row_token_m is None:
+        raise ValueError("token_row_tk: given without row_token_m, expected both (it is row_token_m's transpose)")
+    if (not hasattr(token_row_tk, "dtype") or np.dtype(token_row_tk.dtype) != np.int32 or token_row_tk.ndim != 2
+            or token_row_tk.shape[0] != x.shape[0]):
+        found = f"{token_row_tk.dtype}{list(token_row_tk.shape)}" if hasattr(token_row_tk, "dtype") else \
+            type(token_row_tk).__name__
+        raise ValueError(f"token_row_tk: {found}, expected int32 [T, k] with T = {x.shape[0]} (x's rows)")
+
+
+def token_rows(x, row_token_m, token_row_tk=None) -> jax.Array:
     """``[M, H]``: ``x`` as it is, or its rows ``row_token_m`` in that order, the indices clamped
-    into ``[0, T)`` as the kernels that read rows by index clamp them."""
-    return x if row_token_m is None else jnp.take(x, row_token_m, axis=0, mode="clip")
+    into ``[0, T)`` as the kernels that read rows by index clamp them. Differentiable; with
+    ``token_row_tk`` (``row_token_m``'s transpose, see the module docstring) its gradient sums
+    each token's rows by a gather (:func:`sum_token_rows`)."""
+    if row_token_m is None:
+        return x
+    if token_row_tk is None:
+        return jnp.take(x, row_token_m, axis=0, mode="clip")
+    return _gather_rows(x, row_token_m, token_row_tk)
+
+
+@jax.custom_vjp
+def _gather_rows(x, row_token_m, token_row_tk):
+    return jnp.take(x, row_token_m, axis=0, mode="clip")
+
+
+def _gather_rows_fwd(x, row_token_m, token_row_tk):
+    return _gather_rows(x, row_token_m, token_row_tk), (token_row_tk, jnp.zeros((0,), x.dtype))
+
+
+def _gather_rows_bwd(residuals, d_mh):
+    token_row_tk, x_dtype = residuals
+    return sum_token_rows(d_mh, token_row_tk).astype(x_dtype.dtype), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def sum_token_rows(d_mh, token_row_tk) -> jax.Array:
+    """float32 ``[T, H]``: each token's rows of ``d_mh`` summed, the rows ``token_row_tk`` names
+    (entries outside ``[0, M)``: none). One gather and a sum over ``k``, which XLA fuses: each
+    token's sum is written once, where a scatter-add into the tokens adds row by row."""
+    num_rows = d_mh.shape[0]
+    valid_tk = (token_row_tk >= 0) & (token_row_tk < num_rows)
+    d_tkh = jnp.take(d_mh, jnp.clip(token_row_tk, 0, max(num_rows - 1, 0)), axis=0, mode="clip")
+    return jnp.sum(jnp.where(valid_tk[..., None], d_tkh.astype(jnp.float32), 0.0), axis=1)
 
 
 def swiglu(h_mg: jax.Array) -> jax.Array:
@@ -153,13 +205,15 @@ def swiglu(h_mg: jax.Array) -> jax.Array:
 
 
 def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, compute_capability: int,
-               interpret: bool = False, quantize: Callable | None = None, row_token_m=None) -> jax.Array:
+               interpret: bool = False, quantize: Callable | None = None, row_token_m=None,
+               token_row_tk=None) -> jax.Array:
     """bf16 ``[M, H]``: the expert MLP of each row's expert, differentiable (see the module docstring)."""
     if row_token_m is not None:
         check_row_token(row_token_m)
         if x_mh.ndim != 2 or (x_mh.shape[0] == 0 and row_token_m.shape[0]):
             raise ValueError(f"x_mh: {x_mh.dtype}{list(x_mh.shape)}, expected [T, H] with T >= 1 rows for "
                              f"row_token_m's {row_token_m.shape[0]} indices")
+    check_token_row(token_row_tk, x_mh, row_token_m)
     if not isinstance(backend, Backend):
         raise ValueError(f"backend: {type(backend).__name__}, expected a Backend (pallas_kernels.grouped_matmul.PALLAS "
                          "or triton_lang.W4A16_BACKEND)")
@@ -168,8 +222,8 @@ def expert_mlp(x_mh, group_sizes_e, w_gate_up, w_down, *, backend: Backend, comp
             if is_nvfp4(w):
                 raise ValueError(f"{name}: NVFP4 weights, expected float masters with quantize (they are quantized "
                                  "here every call); pass quantize=None for NVFP4 weights, which are frozen")
-    return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, row_token_m, group_sizes_e, w_gate_up,
-                       w_down)
+    return _expert_mlp(backend, compute_capability, interpret, quantize, x_mh, row_token_m, token_row_tk, group_sizes_e,
+                       w_gate_up, w_down)
 
 
 def _kernel_weight(w, quantize):
@@ -183,8 +237,9 @@ def _rows(x, row_token_m):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quantize, x, row_token_m, group_sizes_e,
-                w_gate_up, w_down):
+def _expert_mlp(backend: Backend, compute_capability: int, interpret: bool, quantize, x, row_token_m, token_row_tk,
+                group_sizes_e, w_gate_up, w_down):
+    del token_row_tk  # read by the backward only
     weights = (_kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize))
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
     if row_token_m is not None and backend.forward_reads_rows_by_index:
@@ -233,7 +288,7 @@ def _trainable(w):
 
 
 def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, quantize, x, row_token_m,
-                    group_sizes_e, w_gate_up, w_down):
+                    token_row_tk, group_sizes_e, w_gate_up, w_down):
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
     w_gate_up_k, w_down_k = _kernel_weight(w_gate_up, quantize), _kernel_weight(w_down, quantize)
     num_rows = num_token_rows(x, row_token_m)
@@ -247,14 +302,14 @@ def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, 
     y_mh = backend.matmul(a_mf, w_down_k, group_sizes_e, **kernel_args)
     trainable = (_trainable(w_gate_up), _trainable(w_down))
     # Rows read by index keep x itself (T rows, not M): the weight gradient gathers them again.
-    rows = (x.astype(jnp.bfloat16), row_token_m)
+    rows = (x.astype(jnp.bfloat16), row_token_m, token_row_tk)
     return y_mh, (rows, jnp.zeros((0,), x.dtype), group_sizes_e, w_gate_up_k, w_down_k, trainable, h_mg)
 
 
 def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, quantize, residuals, dy_mh):
     del quantize  # the masters' gradient is their quantization's (straight-through)
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
-    (x, row_token_m), x_dtype, group_sizes_e, w_gate_up_k, w_down_k, (gate_up_trainable, down_trainable), h_mg = \
+    (x, row_token_m, token_row_tk), x_dtype, group_sizes_e, w_gate_up_k, w_down_k, (gate_up_trainable, down_trainable), h_mg = \
         residuals
     dy_mh = dy_mh.astype(jnp.bfloat16)
     num_rows = h_mg.shape[0]
@@ -290,11 +345,14 @@ def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, 
                              dh_mg.astype(jnp.bfloat16))
     dw_down = weight_grad(down_trainable, a_mf, dy_mh)
     if row_token_m is None:
-        return dx_mh, None, None, dw_gate_up, dw_down
+        return dx_mh, None, None, None, dw_gate_up, dw_down
     # Each token's rows summed (the transpose of the clamped gather), in float32: top-k terms.
-    token_m = jnp.clip(row_token_m, 0, x.shape[0] - 1)
-    dx = jnp.zeros(x.shape, jnp.float32).at[token_m].add(dx_mh.astype(jnp.float32))
-    return dx.astype(x_dtype.dtype), None, None, dw_gate_up, dw_down
+    if token_row_tk is not None:
+        dx = sum_token_rows(dx_mh, token_row_tk)
+    else:
+        token_m = jnp.clip(row_token_m, 0, x.shape[0] - 1)
+        dx = jnp.zeros(x.shape, jnp.float32).at[token_m].add(dx_mh.astype(jnp.float32))
+    return dx.astype(x_dtype.dtype), None, None, None, dw_gate_up, dw_down
 
 
 _expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

@@ -1172,7 +1172,7 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
 
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
 #: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert
-#: through one bf16 copy of the weights and the Pallas bf16 kernel (:func:`_w4a16_input_grad`); the
+#: through one bf16 copy of the weights, multiplied as bf16 weights' is (:func:`_w4a16_input_grad`); the
 #: weight gradient (of ``qat`` masters) is a dense product, the Pallas kernel's, the one there is;
 #: the input gradient's padding rows zeroed by a kernel that writes only them.
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,

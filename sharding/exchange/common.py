@@ -12,9 +12,11 @@ import jax
 
 from sharding.exchange.layout import bucket_index
 
-#: ``expert_fn(x_mh, group_sizes_e, row_token_m=None) -> y_mh``: this device's experts on rows
-#: sorted by local expert; with ``row_token_m`` (int32 ``[M]``) ``x`` is ``[T, H]`` and row ``m``
-#: is ``x[row_token_m[m]]``, which a kernel may read in place instead of a gathered copy.
+#: ``expert_fn(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None) -> y_mh``: this device's
+#: experts on rows sorted by local expert; with ``row_token_m`` (int32 ``[M]``) ``x`` is ``[T, H]``
+#: and row ``m`` is ``x[row_token_m[m]]``, which a kernel may read in place instead of a gathered
+#: copy; ``token_row_tk`` (int32 ``[T, k]``, with it) is its transpose, each token's rows (entries
+#: outside ``[0, M)``: none), from which the gradient of ``x`` is a gather, not a scatter-add.
 ExpertFn = Callable[..., jax.Array]
 
 

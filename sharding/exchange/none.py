@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.exchange.common import ExpertFn, capacity_rows
-from sharding.local import combine, dispatch_rows
+from sharding.local import combine, dispatch_rows, inverse_order
 
 
 def local_exchange(
@@ -23,6 +23,8 @@ def local_exchange(
     row_token_c, group_sizes_e, order_m = dispatch_rows(ids_tk, num_experts,
                                                         capacity=capacity_rows(capacity_factor, rows))
     # The tokens as they are, with each row's token: no copy of them in expert order is made here.
-    y_th = combine(expert_fn(x_th, group_sizes_e, row_token_c), order_m, weights_tk)
+    # Each token's rows too (rows past the capacity are none), for the gradient of the tokens.
+    token_row_tk = inverse_order(order_m).reshape(ids_tk.shape)
+    y_th = combine(expert_fn(x_th, group_sizes_e, row_token_c, token_row_tk=token_row_tk), order_m, weights_tk)
     # Padding tokens (id num_experts) sort last: only real rows past the capacity count.
     return y_th, (jnp.sum(ids_tk < num_experts) - jnp.sum(group_sizes_e)).astype(jnp.int32), jnp.int32(0)

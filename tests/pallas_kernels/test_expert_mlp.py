@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import float_scatters
 from test_grouped_matmul import _gpu_capability
 
 from moe_jax import nvfp4
@@ -63,10 +64,22 @@ def _relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int, tokens: int = 0, **kernel_args):
+def token_row_transpose(row_token, defined: int, tokens: int, rng) -> jnp.ndarray:
+    """int32 ``[T, k]``: each token's defined rows (``m < defined``) in a random order, ``k`` one
+    more than the most any token has; the empty entries -1 or past the rows (both mean none)."""
+    rows = [[m for m in range(defined) if int(row_token[m]) == t] for t in range(tokens)]
+    width = max(map(len, rows)) + 1
+    none = [-1, len(row_token), 2**31 - 1]
+    table = [list(rng.permutation(r)) + [none[(t + j) % 3] for j in range(width - len(r))] for t, r in enumerate(rows)]
+    return jnp.asarray(np.array(table, np.int64), jnp.int32)
+
+
+def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int, tokens: int = 0,
+           transposed: bool = False, **kernel_args):
     """The fused forward, and ``jax.vjp``'s output and cotangents, against the float64 reference.
     With ``tokens``: the op reads its rows by index (``row_token_m``) from that many token rows,
-    tokens repeated and unordered as a layer's top-k makes them; ``dx`` is then per token."""
+    tokens repeated and unordered as a layer's top-k makes them; ``dx`` is then per token, and with
+    ``transposed`` summed through each token's rows (``token_row_tk``)."""
     w_gate_up, w_down, quantize = _weights(rng, fmt, len(groups), h, f)
     m = sum(groups) + padding
     x_in = jnp.asarray(rng.standard_normal((tokens or m, h)), jnp.bfloat16)
@@ -74,7 +87,8 @@ def _check(rng, fmt: str, groups: tuple[int, ...], padding: int, h: int, f: int,
     x = x_in if row_token is None else x_in[row_token]
     dy = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
     group_sizes = jnp.asarray(groups, jnp.int32)
-    op = functools.partial(expert_mlp, quantize=quantize, row_token_m=row_token, **kernel_args)
+    token_row = token_row_transpose(row_token, sum(groups), tokens, rng) if transposed else None
+    op = functools.partial(expert_mlp, quantize=quantize, row_token_m=row_token, token_row_tk=token_row, **kernel_args)
 
     # The reference reads the weights the kernels read: qat masters through their quantization.
     read = (lambda w: w) if quantize is None else quantize
@@ -155,6 +169,48 @@ def test_interpret_a_backend_reading_rows_by_index_gets_the_tokens(rng, fmt):
     _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, backend=ROWS_BY_INDEX,
            compute_capability=90, interpret=True)
     assert _READ_BY_INDEX.count(True) == 2, _READ_BY_INDEX  # the fused forward, the gate/up matmul
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("backend", [PALLAS, ROWS_BY_INDEX], ids=["gathered", "by_index"])
+def test_interpret_rows_read_by_index_with_their_transpose_match_float64_reference(rng, fmt, backend):
+    """``token_row_tk`` (each token's rows, in any order, with empty entries on both sides of
+    ``[0, M)``): the gradient of the tokens summed by a gather, against float64."""
+    _check(rng, fmt, groups=(9, 0, 14, 6), padding=2, h=64, f=64, tokens=16, transposed=True, backend=backend,
+           compute_capability=90, interpret=True)
+
+
+def test_token_rows_transpose_sums_by_a_gather(rng):
+    """With ``token_row_tk`` no floating-point scatter is left in the gradient (the sum of each
+    token's rows is a gather); without it, the transpose of the gather is one (the check can fail)."""
+    tokens, h, m = 16, 8, 40
+    row_token = jnp.asarray(rng.integers(0, tokens, m), jnp.int32)
+    token_row = token_row_transpose(row_token, m, tokens, rng)
+    x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+    grads = {}
+    for name, transpose in (("scatter", None), ("gather", token_row)):
+        fn = jax.jit(lambda x, t=transpose: jax.vjp(lambda x: token_rows(x, row_token, t), x)[1](dy)[0])
+        grads[name] = np.asarray(fn(x), np.float64)
+        scatters = float_scatters(fn.lower(x).as_text(dialect="hlo"))
+        assert ((tokens, h) in scatters) == (transpose is None), (name, scatters)
+    want = np.zeros((tokens, h))
+    np.add.at(want, np.asarray(row_token), np.asarray(dy, np.float64))
+    np.testing.assert_allclose(grads["gather"], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads["scatter"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_token_row_transpose_is_checked():
+    x = jnp.zeros((4, 8), jnp.bfloat16)
+    row_token = jnp.zeros((6,), jnp.int32)
+    args = (x, jnp.asarray([6], jnp.int32), jnp.zeros((1, 16, 8), jnp.bfloat16), jnp.zeros((1, 8, 8), jnp.bfloat16))
+    kwargs = dict(backend=PALLAS, compute_capability=90, interpret=True)
+    with pytest.raises(ValueError, match=r"^token_row_tk: given without row_token_m"):
+        expert_mlp(*args, token_row_tk=jnp.zeros((4, 2), jnp.int32), **kwargs)
+    with pytest.raises(ValueError, match=r"^token_row_tk: int32\[3, 2\], expected int32 \[T, k\] with T = 4"):
+        expert_mlp(*args, row_token_m=row_token, token_row_tk=jnp.zeros((3, 2), jnp.int32), **kwargs)
+    with pytest.raises(ValueError, match=r"^token_row_tk: float32\[4, 2\], expected int32"):
+        expert_mlp(*args, row_token_m=row_token, token_row_tk=jnp.zeros((4, 2), jnp.float32), **kwargs)
 
 
 def _many_rows(experts: int, rows: int = tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from sharding.exchange.common import ExpertFn, capacity_rows, expert_axis, switch_on_size
 from sharding.exchange.layout import buffer_buckets, worst_case_received
-from sharding.local import combine, dispatch_rows
+from sharding.local import combine, dispatch_rows, inverse_order
 
 
 def allgather_exchange(
@@ -41,7 +41,8 @@ def allgather_exchange(
         received = jnp.sum(group_sizes_e)
         # Rows past the groups belong to other devices' experts: their outputs are unspecified.
         y_mh = jnp.where(jnp.arange(row_token_m.shape[0])[:, None] < received,
-                         expert_fn(x_all_th, group_sizes_e, row_token_m), 0)
+                         expert_fn(x_all_th, group_sizes_e, row_token_m,
+                                   token_row_tk=inverse_order(order_m).reshape(local_tk.shape)), 0)
         return combine(y_mh, order_m, jnp.where(mine_tk, weights_all_tk, 0)), needed - received
 
     y_all_th, dropped = switch_on_size(needed, buckets, branch)

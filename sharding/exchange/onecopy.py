@@ -23,7 +23,7 @@ from sharding.exchange.layout import (
     worst_case_tokens_received, worst_case_tokens_sent,
 )
 from sharding.exchange.ragged import default_min_updates_per_peer
-from sharding.local import combine, dispatch_rows, sort_by_expert
+from sharding.local import combine, dispatch_rows, inverse_order, sort_by_expert
 
 
 def _send_rows(present_td: jax.Array, input_offsets_d: jax.Array, rows: int):
@@ -127,7 +127,8 @@ def onecopy_exchange(
         received = jnp.sum(group_sizes_l)
         # Rows past the groups are padding: their outputs are unspecified (and weigh 0).
         y_mh = jnp.where(jnp.arange(row_copy_m.shape[0])[:, None] < received,
-                         expert_fn(x_rh, group_sizes_l, row_copy_m), 0)
+                         expert_fn(x_rh, group_sizes_l, row_copy_m,
+                                   token_row_tk=inverse_order(order_r).reshape(local_rk.shape)), 0)
         partial_rh = combine(y_mh, order_r, w_rk)
         return (move(partial_rh, _like(partial_rh, n_send), back),)
 

@@ -18,9 +18,9 @@ and, except ``none``, is called inside ``shard_map`` over the expert axis ``axis
   device's ``E_l = E / D`` experts on rows sorted by local expert; rows past
   ``sum(group_sizes_e)`` are padding whose outputs are never used. ``none``, ``allgather`` and
   ``onecopy`` pass the rows they hold (tokens, or the token copies received) and each row's
-  index into them (``row_token_m``) instead of a copy of them in expert order, and each held
-  row's rows (``token_row_tk``, the inverse of their sort), from which the gradient of what
-  they hold is a gather, not a scatter-add.
+  index into them (``row_token_m``) instead of a copy of them in expert order, and for each
+  row they hold the expert-ordered rows that read it (``token_row_tk``, the inverse of their
+  sort), from which the gradient of what they hold is a gather, not a scatter-add.
 * ``capacity_factor``: None for dropless; else each device keeps at most
   ``ceil(capacity_factor * T * k)`` received rows (the first in its expert-major order, see
   :mod:`sharding.exchange.layout`), and ``dropped`` counts the rows it dropped.

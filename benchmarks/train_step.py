@@ -1,7 +1,8 @@
 """The MoE training step (forward + backward) on one GPU, and the layer with expert parallelism.
 
-Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; hidden 7168,
-expert intermediate 2048) and M rows after routing (``--rows``, default 8192 and 32768):
+Times, at Kimi K2 shapes with 48 local experts (EP 8 of 384; ``--experts 384`` for all of them
+on one GPU; hidden 7168, expert intermediate 2048) and M rows after routing (``--rows``, default
+8192 and 32768):
 
 * **step**: the routed experts' MLP (gate/up, SwiGLU, down) forward and backward through
   ``moe_jax.expert_gemm.EXPERT_GEMM[...].run``: ``jax.vjp`` with a fixed cotangent ``dy``, grads
@@ -1116,6 +1117,8 @@ def parse_args(argv=None):
     parser.add_argument("--skewed", action="store_true", help="also Zipf-skewed routing")
     parser.add_argument("--layer", action="store_true", help="also the whole layer step (moe_forward + VJP)")
     parser.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes of the layer rows")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="local experts (default: 48, Kimi K2's 384 over EP 8; 384: all of them on one GPU)")
     parser.add_argument("--layer-weights", nargs="+", choices=("bf16", "nvfp4"), default=["bf16"],
                         help="the layer rows' routed and shared experts: bf16 (trained), or NVFP4 (frozen: "
                              "gradients for x and the router only)")
@@ -1151,6 +1154,8 @@ def parse_args(argv=None):
         args.iters, args.windows, args.xla_iters, args.torch_runs = 1, 1, 1, 2
     if args.profile < 0:
         parser.error(f"--profile: {args.profile} calls, expected >= 0")
+    if args.experts is not None and args.experts < 1:
+        parser.error(f"--experts: {args.experts}, expected >= 1")
     for name in ("iters", "windows", "xla_iters", "torch_runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1")
@@ -1162,6 +1167,8 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     shape = SMOKE if args.smoke else KIMI
+    if args.experts is not None:
+        shape = {**shape, "experts": args.experts}
     device = jax.devices()[0]
     interpret = args.smoke or device.platform != "gpu"
     from moe_jax.expert_gemm import INTERPRET_CAPABILITY  # noqa: PLC0415

@@ -164,6 +164,23 @@ def test_profile_calls_must_not_be_negative(capsys):
     assert "--profile: -1 calls, expected >= 0" in capsys.readouterr().err
 
 
+def test_experts_sets_the_local_experts_of_every_row(tmp_path):
+    """``--experts`` (384: Kimi K2's on one GPU): the layer's config and the page take it."""
+    data = _run(tmp_path, "--skip-gemms", "--skip-bf16-steps", "--layer", "--layer-weights", "nvfp4",
+                "--experts", "6")
+    assert data["meta"]["shape"]["experts"] == 6
+    assert [(r["experts_per_device"], r["impl"]) for r in data["layers"]] == [(6, "xla"), (6, "pallas")]
+    for row in data["layers"]:
+        _check_timed(row, data["meta"]["max_err"])
+    assert "- shape: 6 local experts" in (tmp_path / "train_step.md").read_text()
+
+
+def test_experts_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        _load().parse_args(["--out", "x", "--experts", "0"])
+    assert "--experts: 0, expected >= 1" in capsys.readouterr().err
+
+
 def test_group_sizes_and_padded_layout():
     bench = _load()
     rng = np.random.default_rng(0)

@@ -24,9 +24,10 @@
 #             W4A16 and W4A8 (tensor pipe, issue slots, stalls; ~200 s)
 #   wgrad     the native weight gradient (rows by TMA): its Kimi-size tests against float64, its
 #             tile sweep beside the Pallas table tile and torch at 32768 and 8192 rows (~300 s)
-#   layer_grads  the whole layer's training step (bf16 and frozen NVFP4 experts, 4096 tokens x 8,
-#             profiled) with main's library (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this
-#             tree's, alternating twice: the tokens' and the combine's gradients by gathers (~450 s)
+#   layer_grads  the whole layer's training step (4096 tokens x 8, profiled) with main's library
+#             (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this tree's, alternating ROUNDS
+#             times (default 2; ~75 s a round); WEIGHTS (default "nvfp4 bf16": bf16 and frozen
+#             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
@@ -102,12 +103,14 @@ case "$call" in
     # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
     base=${BASE:?"BASE=<main's commit>, whose library is .whl/base_<commit>.tgz"}
     mkdir -p /tmp/base && tar xzf ".whl/base_$base.tgz" -C /tmp/base && cp -r benchmarks /tmp/base/
-    for i in 1 2; do
+    # shellcheck disable=SC2086  # WEIGHTS is a list of words
+    for i in $(seq "${ROUNDS:-2}"); do
       step "layer_grads_base_$i" 110 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/train_step.py \
-        --out "$out/base_$i" --rows 32768 --layer --layer-weights nvfp4 bf16 --skip-bf16-steps --skip-gemms \
-        --xla-rows --profile 3 --budget-s 80 --commit "$base"
+        --out "$out/base_$i" --rows 32768 --layer --layer-weights ${WEIGHTS:-nvfp4 bf16} --experts "${EXPERTS:-48}" \
+        --skip-bf16-steps --skip-gemms --xla-rows --profile 3 --budget-s 80 --commit "$base"
       step "layer_grads_$i" 110 python benchmarks/train_step.py --out "$out/tree_$i" --rows 32768 --layer \
-        --layer-weights nvfp4 bf16 --skip-bf16-steps --skip-gemms --xla-rows --profile 3 --budget-s 80
+        --layer-weights ${WEIGHTS:-nvfp4 bf16} --experts "${EXPERTS:-48}" --skip-bf16-steps --skip-gemms --xla-rows \
+        --profile 3 --budget-s 80
     done
     ;;
   wgrad)

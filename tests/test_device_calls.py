@@ -51,3 +51,22 @@ def test_the_base_layer_runs_from_the_base_tree():
     assert base, "no base layer step"
     for line in base:
         assert "env -C /tmp/base" in line and "$PWD" not in line, line
+
+
+def test_the_branch_call_measures_then_skips_a_check_that_cannot_finish(tmp_path):
+    """On an H100 the branch call's A/B takes the bf16 weights only, and with less time left than the
+    check takes it does not start one (cut off, it would be worth nothing) and says so."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "python_calls.txt"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    out = subprocess.run(["bash", str(SCRIPT), "branch", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                         text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": "", "BASE": "none",
+                                         "CALL_S": "100", "GIT_COMMIT": "abc"})
+    assert out.returncode == 1 and "gpu_check: not run" in out.stdout, out
+    steps = [line for line in calls.read_text().splitlines() if "train_step.py" in line]
+    assert len(steps) == 2 and all("--layer-weights bf16 --experts 48" in line for line in steps), steps
+    assert not (tmp_path / "out" / "gc").exists()

@@ -5,6 +5,7 @@
 # and `base_699d0b3.tgz`, `git archive 699d0b3 moe_jax pallas_kernels sharding | gzip`):
 #
 #   GIT_COMMIT=<sha> bash tools/device_calls.sh CALL /tmp/CALL; tar czf "$OUT/CALL.tgz" -C /tmp CALL
+#   (branch: GIT_COMMIT=<the tree's sha> GIT_DIRTY=0 BASE=<main's commit> ... branch /tmp/branch)
 #
 # (the device tool brings back only a few files from $OUT, so a call's folders come back packed)
 # CALL (in the order to run them; the GPU check itself is `tools/gpu_check.sh`, its own call):
@@ -28,14 +29,20 @@
 #             (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this tree's, alternating ROUNDS
 #             times (default 2; ~75 s a round); WEIGHTS (default "nvfp4 bf16": bf16 and frozen
 #             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
+#   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
+#             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
+#             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or
+#             not at all when less is left than it takes (340 s on an H200, 470 on an H100 at 2
+#             workers): a check cut off at a commit that a later checkout recreates under
+#             another hash is worth nothing. On an H200 it fits in one call (~200 + ~390 s).
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu|wgrad|layer_grads) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads)"; exit 2 ;;
+  layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, branch)"; exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -56,6 +63,21 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under timeout, its output
   echo "== $name: rc $rc after $((SECONDS - start)) s"
   tail -n 5 "$out/$name.log"
   [ "$rc" -eq 0 ] || failed=1
+}
+
+layer_grads_ab() {  # layer_grads_ab ROUNDS WEIGHTS
+  # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
+  base=${BASE:?"BASE=<main's commit>, whose library is .whl/base_<commit>.tgz"}
+  mkdir -p /tmp/base && tar xzf ".whl/base_$base.tgz" -C /tmp/base && cp -r benchmarks /tmp/base/
+  # shellcheck disable=SC2086  # WEIGHTS is a list of words
+  for i in $(seq "$1"); do
+    step "layer_grads_base_$i" 110 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/train_step.py \
+      --out "$out/base_$i" --rows 32768 --layer --layer-weights $2 --experts "${EXPERTS:-48}" \
+      --skip-bf16-steps --skip-gemms --xla-rows --profile 3 --budget-s 80 --commit "$base"
+    step "layer_grads_$i" 110 python benchmarks/train_step.py --out "$out/tree_$i" --rows 32768 --layer \
+      --layer-weights $2 --experts "${EXPERTS:-48}" --skip-bf16-steps --skip-gemms --xla-rows \
+      --profile 3 --budget-s 80
+  done
 }
 
 case "$call" in
@@ -100,18 +122,21 @@ case "$call" in
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
     ;;
   layer_grads)
-    # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
-    base=${BASE:?"BASE=<main's commit>, whose library is .whl/base_<commit>.tgz"}
-    mkdir -p /tmp/base && tar xzf ".whl/base_$base.tgz" -C /tmp/base && cp -r benchmarks /tmp/base/
-    # shellcheck disable=SC2086  # WEIGHTS is a list of words
-    for i in $(seq "${ROUNDS:-2}"); do
-      step "layer_grads_base_$i" 110 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/train_step.py \
-        --out "$out/base_$i" --rows 32768 --layer --layer-weights ${WEIGHTS:-nvfp4 bf16} --experts "${EXPERTS:-48}" \
-        --skip-bf16-steps --skip-gemms --xla-rows --profile 3 --budget-s 80 --commit "$base"
-      step "layer_grads_$i" 110 python benchmarks/train_step.py --out "$out/tree_$i" --rows 32768 --layer \
-        --layer-weights ${WEIGHTS:-nvfp4 bf16} --experts "${EXPERTS:-48}" --skip-bf16-steps --skip-gemms --xla-rows \
-        --profile 3 --budget-s 80
-    done
+    layer_grads_ab "${ROUNDS:-2}" "${WEIGHTS:-nvfp4 bf16}"
+    ;;
+  branch)
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" in
+      *H200*) weights="nvfp4 bf16" need=340 ;;
+      *) weights=bf16 need=470 ;;
+    esac
+    layer_grads_ab "${ROUNDS:-1}" "${WEIGHTS:-$weights}"
+    left=$((${CALL_S:-585} - SECONDS))  # since the script began
+    if [ "$left" -lt "$need" ]; then
+      echo "== gpu_check: not run, $left s left of CALL_S and it takes $need"; failed=1
+    else
+      echo "== gpu_check at $GIT_COMMIT in $left s"
+      GPU_CHECK_BUDGET_S=$left GPU_CHECK_PASS1_S=$((left - 45)) bash tools/gpu_check.sh "$out/gc" || failed=1
+    fi
     ;;
   wgrad)
     step wgrad_tests 90 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kimi_size_gpu.py -k weight_grad

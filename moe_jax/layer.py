@@ -32,6 +32,7 @@ from moe_jax import nvfp4, router
 from moe_jax.config import MoEConfig
 from moe_jax.exchange import EXCHANGE, run_options
 from moe_jax.expert_gemm import EXPERT_GEMM, shared_expert_mlp
+from moe_jax.manual_axes import varying_over
 from moe_jax.plan import Plan
 from moe_jax.resolve import resolve
 from pallas_kernels.grouped_matmul import reference as gmm_reference
@@ -268,16 +269,6 @@ def _expert_weights(params: Params, config: MoEConfig) -> dict:
     return {**params["experts"], "input_scales": {name: scales[name] for name in ("gate_e", "up_e", "down_e")}}
 
 
-def _varying_over(tree, axis_names: tuple[str, ...]):
-    """``tree`` with every leaf cast to varying over ``axis_names`` (inside ``shard_map``; the
-    axes a leaf already varies over are left as they are)."""
-    def cast(leaf):
-        missing = tuple(a for a in axis_names if a not in jax.typeof(leaf).manual_axis_type.varying)
-        return jax.lax.pcast(leaf, missing, to="varying")
-
-    return jax.tree.map(cast, tree) if axis_names else tree
-
-
 def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[str, ...]):
     """One device's share: route, exchange + experts, combine, shared expert, statistics.
 
@@ -311,7 +302,7 @@ def _local_forward(params: Params, x_th, valid_t, plan: Plan, axis_names: tuple[
     # exchange's switch over buffer sizes, whose branch is the same along the expert axis only:
     # two data-parallel groups in different branches ran different all-reduces and deadlocked
     # (benchmarks/NOTES.md, section 7).
-    expert_weights = _varying_over(_expert_weights(params, config), axis_names)
+    expert_weights = varying_over(_expert_weights(params, config), axis_names)
 
     def expert_fn(x_mh, group_sizes_e, row_token_m=None, token_row_tk=None):
         with jax.named_scope(plan.scope(EXPERT_GEMM.stage)):

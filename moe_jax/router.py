@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, assert_never
 import jax
 import jax.numpy as jnp
 
+from moe_jax.manual_axes import varying_alike
+
 if TYPE_CHECKING:
     from moe_jax.config import MoEConfig
 
@@ -31,6 +33,8 @@ def logits(x_th: jax.Array, w_eh: jax.Array) -> jax.Array:
       accumulation is float32's, so the error bound is float32's (measured on an H200 at 8192 x
       7168 x 384 with three parts: 0.18 ms against 0.99 ms for the float32 SIMT matmul;
       ``benchmarks/results/prefill_h200/``). HLO scope ``moe_jax.router.logits_bf16x{parts}``.
+      Its gradients run on the tensor cores the same way (:func:`_bf16xn_logits_bwd`): the
+      weights' to float32's accuracy, the tokens' to within bf16's rounding, which they get.
     * any other dtype: float32 at precision ``HIGHEST`` (IEEE float32), scope
       ``moe_jax.router.logits_float32``.
 
@@ -41,7 +45,8 @@ def logits(x_th: jax.Array, w_eh: jax.Array) -> jax.Array:
     if x_th.dtype == jnp.bfloat16:
         parts = bf16_parts(w_eh.dtype)
         with jax.named_scope(f"moe_jax.router.logits_bf16x{parts}"):
-            return _bf16xn_logits(x_th, w_eh.astype(jnp.float32), parts)
+            # inside shard_map: the custom VJP's gradients then have their primals' types
+            return _bf16xn_logits(*varying_alike(x_th, w_eh.astype(jnp.float32)), parts)
     with jax.named_scope("moe_jax.router.logits_float32"):
         return _float32_logits(x_th, w_eh)
 
@@ -56,9 +61,10 @@ def _float32_logits(x_th, w_eh):
     return jnp.matmul(x_th.astype(jnp.float32), w_eh.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
 
 
-def _bf16_parts(w_eh: jax.Array, parts: int = 3) -> jax.Array:
-    """float32 ``[E, H]`` -> bf16 ``[parts, E, H]`` whose sum is ``w_eh`` exactly, where every value
-    of ``w_eh`` has at most ``8 * parts`` significant bits (:func:`bf16_parts` of its stored dtype).
+def _bf16_parts(v: jax.Array, parts: int = 3) -> jax.Array:
+    """float32 ``v`` -> bf16 ``[parts, *v.shape]`` whose sum is ``v`` exactly, where every value
+    of ``v`` has at most ``8 * parts`` significant bits (:func:`bf16_parts` of its stored dtype;
+    any float32 with three parts).
 
     Each part is the leading 8 significant bits of what the parts before it leave, cut by
     masking the float32 bits (not by rounding: a rounded conversion followed by the convert back
@@ -66,32 +72,61 @@ def _bf16_parts(w_eh: jax.Array, parts: int = 3) -> jax.Array:
     H200). A float32 significand has 24 bits, so the third remainder has at most 8: every part
     converts to bf16 exactly.
     """
-    def leading(v):
-        bits = jax.lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    def leading(a):
+        bits = jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000)
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
-    out, rest = [], w_eh
+    out, rest = [], v
     for _ in range(parts - 1):
         out.append(leading(rest))
         rest = rest - out[-1]
     return jnp.stack([*out, rest]).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bf16xn_logits(x_th, w_eh, parts: int):
     parts_pe = _bf16_parts(w_eh, parts).reshape(-1, w_eh.shape[1])
     y_tpe = jnp.dot(x_th, parts_pe.T, preferred_element_type=jnp.float32).reshape(x_th.shape[0], parts, -1)
-    y_te = y_tpe[:, parts - 1]
-    for p in range(parts - 2, -1, -1):  # smallest first
-        y_te = y_te + y_tpe[:, p]
-    return y_te
+    return _sum_smallest_first(y_tpe, axis=1)
 
 
-@_bf16xn_logits.defjvp
-def _bf16xn_logits_jvp(parts, primals, tangents):
-    # The masking has no useful derivative; the function is x @ w^T, whose derivative is.
-    (x_th, w_eh), (dx_th, dw_eh) = primals, tangents
-    return _bf16xn_logits(x_th, w_eh, parts), _float32_logits(dx_th, w_eh) + _float32_logits(x_th, dw_eh)
+def _sum_smallest_first(y, axis: int):
+    """The parts' products summed along ``axis``, the last (smallest) first."""
+    parts = jnp.moveaxis(y, axis, 0)
+    total = parts[-1]
+    for p in range(parts.shape[0] - 2, -1, -1):
+        total = total + parts[p]
+    return total
+
+
+def _bf16xn_logits_fwd(x_th, w_eh, parts):
+    return _bf16xn_logits(x_th, w_eh, parts), (x_th, w_eh)
+
+
+def _bf16xn_logits_bwd(parts, residuals, g_te):
+    """The gradients on the tensor cores too (float32 SIMT matmuls otherwise: two of the forward's
+    cost), from exact bf16 parts of the float32 cotangent ``g_te = g0 + g1 + g2``:
+
+    * ``dw = g^T x``: every part against ``x`` (bf16), each product exact in float32, float32
+      accumulation: float32's accuracy, as the weights' gradient is kept;
+    * ``dx = g w``: the products ``g_i w_j`` with ``i + j <= 1`` (each part is below ``2**-7``
+      of the one before, so the dropped terms stay within about ``3 * 2**-14`` of
+      ``sum_e |g_e| |w_eh|``), then rounded to bf16 (``2**-9``) as ``x`` is.
+    """
+    x_th, w_eh = residuals
+    (num_tokens, num_experts), hidden = g_te.shape, w_eh.shape[1]
+    g_pte = _bf16_parts(g_te, 3)
+    w_peh = _bf16_parts(w_eh, parts)
+    dw_peh = jnp.dot(g_pte.transpose(0, 2, 1).reshape(3 * num_experts, num_tokens), x_th,
+                     preferred_element_type=jnp.float32).reshape(3, num_experts, hidden)
+    terms = [(i, j) for i in range(3) for j in range(parts) if i + j <= 1]
+    g_tn = jnp.concatenate([g_pte[i] for i, _ in terms], axis=1)
+    w_nh = jnp.concatenate([w_peh[j] for _, j in terms], axis=0)
+    dx_th = jnp.dot(g_tn, w_nh, preferred_element_type=jnp.float32)
+    return dx_th.astype(x_th.dtype), _sum_smallest_first(dw_peh, axis=0)
+
+
+_bf16xn_logits.defvjp(_bf16xn_logits_fwd, _bf16xn_logits_bwd)
 
 
 def expert_scores(logits_te: jax.Array, config: MoEConfig) -> jax.Array:

@@ -171,6 +171,16 @@ def float_scatters(hlo: str) -> list[tuple[int, ...]]:
             for dims in re.findall(r"= (?:f16|bf16|f32|f64)\[([0-9,]*)\]\S* scatter\(", hlo)]
 
 
+def dot_operands(stablehlo: str) -> list[tuple[tuple[tuple[int, ...], str], ...]]:
+    """Each ``dot_general``'s operands as ``((shape, dtype), (shape, dtype))`` in StableHLO text
+    (``Lowered.as_text()``), e.g. ``(((8, 16), "f32"), ((16, 32), "bf16"))``."""
+    def operand(t):
+        *dims, dtype = t.split("x")
+        return tuple(int(d) for d in dims), dtype
+    return [tuple(operand(t) for t in re.findall(r"tensor<([^>]*)>", types))
+            for types in re.findall(r"stablehlo\.dot_general .*: \(([^)]*)\) ->", stablehlo)]
+
+
 def rel_err(y, ref, axis=None):
     """Relative (Frobenius) error of ``y`` against the float64 ``ref``, overall or along ``axis``."""
     y = np.asarray(y, np.float64)

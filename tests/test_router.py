@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import dot_operands
 
 from moe_jax import MoEConfig, router
 
@@ -312,16 +313,30 @@ def test_logits_choose_the_float64_top_k_between_near_ties(rng):
     np.testing.assert_array_equal(np.sign(y[:, 0::2] - y[:, 1::2])[resolvable], np.sign(gap)[resolvable])
 
 
-def test_logits_gradients_are_those_of_the_float32_matmul(rng):
-    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((12, 256)) / 16, jnp.float32)
-    probe = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
-    got = jax.grad(lambda x, w: jnp.sum(router.logits(x, w) * probe), argnums=(0, 1))(x, w)
-    # d/dx = probe @ w, d/dw = probe^T @ x, in float64.
-    want = (np.asarray(probe, np.float64) @ np.asarray(w, np.float64),
-            np.asarray(probe, np.float64).T @ np.asarray(x, np.float64))
-    np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(np.asarray(got[1], np.float64), want[1], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_logits_gradients_against_float64_and_on_the_tensor_cores(rng, w_dtype):
+    """The bf16 path's VJP: the weights' gradient ``probe^T x`` to float32's accuracy, the tokens'
+    ``probe w`` to within one bf16 rounding of float64 (it is returned in bf16, as ``x`` is),
+    every product of the backward in bf16 (a float32 matmul there ran on the SIMT cores)."""
+    x = jnp.asarray(rng.standard_normal((96, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((12, 256)) / 16, w_dtype)
+    # Cotangents of every magnitude, so that the lower bf16 parts matter.
+    probe = jnp.asarray(rng.standard_normal((96, 12)) * np.exp2(rng.integers(-16, 6, (96, 12))), jnp.float32)
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(router.logits(x, w) * probe), argnums=(0, 1)))
+    dx, dw = grad(x, w)
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.dtype(w_dtype))
+    p64, w64, x64 = (np.asarray(v, np.float64) for v in (probe, w, x))
+    want_dx, want_dw = p64 @ w64, p64.T @ x64
+    bound = np.abs(p64) @ np.abs(w64)  # what the float32 rounding of each sum is relative to
+    assert np.all(np.abs(np.asarray(dx, np.float64) - want_dx) <= 2.0**-8 * np.abs(want_dx) + 2.0**-12 * bound)
+    if w_dtype == jnp.float32:  # the gradient is float32: float32's accuracy
+        np.testing.assert_array_less(np.abs(np.asarray(dw, np.float64) - want_dw),
+                                     2.0**-16 * (np.abs(p64).T @ np.abs(x64)) + 1e-30)
+    else:  # rounded to the weights' dtype
+        eps = float(jnp.finfo(w_dtype).eps)
+        assert np.all(np.abs(np.asarray(dw, np.float64) - want_dw) <= eps * np.abs(want_dw) + 1e-6 * np.abs(want_dw).max())
+    dots = dot_operands(grad.lower(x, w).as_text())
+    assert dots and {dtype for dot in dots for _, dtype in dot} == {"bf16"}, dots
 
 
 def stable_top_k_np(values, k):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
+from moe_jax.manual_axes import varying_alike
 from moe_jax.registry import Implementation, Registry, Target
 from pallas_kernels.grouped_matmul.expert_mlp import swiglu, token_rows
 from pallas_kernels.grouped_matmul.pallas_triton import group_bounds
@@ -559,18 +560,21 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
     ``(max tokens per device through the routed kernels (0: never, None: always), report line)``."""
     if not config.num_shared_experts:
         return 0, "none"
+    # shared_expert_mlp's dense form multiplies its gradients in the weights' dtype, but for xla
+    grads = f", gradients multiplied in {config.dtype}" if target.training and expert_gemm != "xla" else ""
     if config.shared_format != "nvfp4":
-        return 0, f"{config.shared_format} weights, XLA dot"
+        return 0, f"{config.shared_format} weights, XLA dot{grads}"
     dense = "NVFP4 weights dequantized every call, then an XLA dot"
     if expert_gemm == "xla":
         return 0, f"{dense} (the xla reference path)"
     if config.qat:
-        return 0, f"{dense} (under qat the {expert_gemm} kernels take the routed experts' float masters)"
+        return 0, f"{dense}{grads} (under qat the {expert_gemm} kernels take the routed experts' float masters)"
     if expert_gemm == "triton":
         triton_lang = _triton_lang()
         if triton_lang.mode_for(target.compute_capability) is triton_lang.Mode.W4A4:
             return 0, (f"{dense} in {config.dtype} (triton quantizes activations to NVFP4 on "
                        f"SM{target.compute_capability}; the shared expert's stay {config.dtype})")
+    dense += grads
     if config.shared_size % pallas_gmm.K_MULTIPLE:
         return 0, f"{dense} (its width {config.shared_size} is not a multiple of {pallas_gmm.K_MULTIPLE})"
     limit = SHARED_KERNEL_MAX_TOKENS[expert_gemm]
@@ -587,8 +591,9 @@ def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:
 
     Up to ``plan.shared_kernel_max_tokens`` tokens (None: any number; see :func:`shared_expert_plan`) through the
     routed experts' implementation as one expert holding all ``T`` rows (the output rounded to
-    ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation. The
-    HLO says which: ``jax.named_scope`` ``moe_jax.shared_expert.<expert_gemm>`` or ``.dense``.
+    ``config.dtype``, as the routed experts' is); otherwise densely, with fp32 accumulation (and,
+    but for ``xla``, gradients by :func:`matmul_f32_grads_in_operand_dtype`). The HLO says which:
+    ``jax.named_scope`` ``moe_jax.shared_expert.<expert_gemm>`` or ``.dense``.
     """
     dtype = jnp.dtype(plan.config.dtype)
     tokens = x_th.shape[0]
@@ -599,11 +604,57 @@ def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:
         with jax.named_scope(f"moe_jax.shared_expert.{plan.expert_gemm}"):  # which way it ran, in the HLO
             y_th = EXPERT_GEMM[plan.expert_gemm].run(x_th.astype(dtype), jnp.full((1,), tokens, jnp.int32), one, plan)
         return y_th.astype(jnp.float32)
+    # The reference path keeps float32 cotangents; the others multiply them in the weights' dtype,
+    # as the routed kernels do: bf16's tensor-core rate, not TF32's.
+    matmul = _matmul_f32 if plan.expert_gemm == "xla" else matmul_f32_grads_in_operand_dtype
     with jax.named_scope("moe_jax.shared_expert.dense"):
-        h_tg = jnp.einsum("th,gh->tg", x_th.astype(dtype), dense_weight(w_gate_up_gh, dtype),
-                          preferred_element_type=jnp.float32)
+        h_tg = matmul(x_th.astype(dtype), dense_weight(w_gate_up_gh, dtype))
         a_ts = swiglu(h_tg).astype(dtype)
-        return jnp.einsum("ts,hs->th", a_ts, dense_weight(w_down_hs, dtype), preferred_element_type=jnp.float32)
+        return matmul(a_ts, dense_weight(w_down_hs, dtype))
+
+
+def _matmul_f32(a_tk: jax.Array, w_nk: jax.Array) -> jax.Array:
+    return jnp.einsum("tk,nk->tn", a_tk, w_nk, preferred_element_type=jnp.float32)
+
+
+def matmul_f32_grads_in_operand_dtype(a_tk: jax.Array, w_nk: jax.Array) -> jax.Array:
+    """``a_tk @ w_nk^T`` -> float32 ``[T, N]``, whose gradients are multiplied in the operands' dtype.
+
+    Differentiated as a plain einsum, a float32 output gets a float32 cotangent, and both its
+    backward products run in float32 (TF32 on GPUs: the shared expert's dense gradients took ~0.9
+    ms of a 4096-token Kimi-shaped layer step on an H100). Here the cotangent ``g_tn`` is rounded
+    to ``a_tk.dtype`` first, then ``da = g w`` and ``dw = g^T a`` accumulate in float32 and return
+    in their operands' dtypes. Where the output feeds a bf16 result, as the layer's down projection
+    does (its sum is rounded to ``config.dtype``), the cotangent is a bf16 value already and the
+    rounding is exact; inside the MLP (the gate/up product's cotangent, through SwiGLU's
+    derivative) it rounds to bf16 as the routed kernels' backward does.
+
+    Args:
+      a_tk: ``[T, K]`` bf16 (or any float; the gradients are then multiplied in it).
+      w_nk: ``[N, K]``, the same dtype.
+    """
+    # Inside shard_map the tokens vary over mesh axes the weights are replicated along.
+    return _matmul_rounded_grads(*varying_alike(a_tk, w_nk))
+
+
+@jax.custom_vjp
+def _matmul_rounded_grads(a_tk, w_nk):
+    return _matmul_f32(a_tk, w_nk)
+
+
+def _matmul_fwd(a_tk, w_nk):
+    return _matmul_f32(a_tk, w_nk), (a_tk, w_nk)
+
+
+def _matmul_bwd(residuals, g_tn):
+    a_tk, w_nk = residuals
+    g_tn = g_tn.astype(a_tk.dtype)
+    da_tk = jnp.einsum("tn,nk->tk", g_tn, w_nk, preferred_element_type=jnp.float32)
+    dw_nk = jnp.einsum("tn,tk->nk", g_tn, a_tk, preferred_element_type=jnp.float32)
+    return da_tk.astype(a_tk.dtype), dw_nk.astype(w_nk.dtype)
+
+
+_matmul_rounded_grads.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 EXPERT_GEMM = Registry(

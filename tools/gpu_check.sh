@@ -55,7 +55,8 @@
 #   GPU_CHECK_DEMO_S=150           upper bound for the demo
 #   GPU_CHECK_TEST_S=240           per-test limit, when pytest-timeout is installed (a test's own
 #                                  timeout marker wins)
-#   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run)
+#   GPU_CHECK_SKIP_DEMO=1          do not run the demo (the record then says FAILED: the demo did not run;
+#                                  0 or unset: run it)
 #   GPU_CHECK_CONTINUE=DIR         finish a pass 1 that an earlier call at the same code left unfinished
 #                                  (its time limit cut it off): DIR is that call's output folder (carry it
 #                                  to the device machine: copied into the working tree untracked, e.g.
@@ -144,7 +145,7 @@ echo "== device ($ngpu GPU(s) visible to JAX)"; cat "$out/device.txt"
 # shares the GPU with the tests, so its throughput line is not a measurement (the record says so).
 record_args=()
 demo_pid=
-if [[ -n "${GPU_CHECK_SKIP_DEMO:-}" ]]; then
+if [[ -n "${GPU_CHECK_SKIP_DEMO:-}" && "$GPU_CHECK_SKIP_DEMO" != 0 ]]; then
   echo "demo skipped (GPU_CHECK_SKIP_DEMO=$GPU_CHECK_SKIP_DEMO)" > "$out/demo.txt"
 else
   echo "== moe-jax demo (no flags, one GPU), beside pass 1"

@@ -66,11 +66,13 @@ def _relative_error(got, want) -> float:
 
 def token_row_transpose(row_token, defined: int, tokens: int, rng) -> jnp.ndarray:
     """int32 ``[T, k]``: each token's defined rows (``m < defined``) in a random order, ``k`` one
-    more than the most any token has; the empty entries -1 or past the rows (both mean none)."""
+    more than the most any token has; the empty entries -1, past the rows, or padding rows (``m >=
+    defined``, where a layer's exchanges put the rows of tokens routed elsewhere): all mean none."""
     rows = [[m for m in range(defined) if int(row_token[m]) == t] for t in range(tokens)]
     width = max(map(len, rows)) + 1
-    none = [-1, len(row_token), 2**31 - 1]
-    table = [list(rng.permutation(r)) + [none[(t + j) % 3] for j in range(width - len(r))] for t, r in enumerate(rows)]
+    none = [-1, len(row_token), 2**31 - 1] + ([defined, len(row_token) - 1] if len(row_token) > defined else [])
+    table = [list(rng.permutation(r)) + [none[(t + j) % len(none)] for j in range(width - len(r))]
+             for t, r in enumerate(rows)]
     return jnp.asarray(np.array(table, np.int64), jnp.int32)
 
 
@@ -229,28 +231,34 @@ def test_interpret_many_rows_per_expert_vjp_matches_float64_reference(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "by_index_transposed"])
 @pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt != "bf16"])  # the native kernels take NVFP4 only
 def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows):
+    """``by_index``: the tokens' gradient by a scatter-add; ``by_index_transposed``: by each
+    token's rows (``token_row_tk``, some entries naming padding rows, which the kernels leave
+    unwritten)."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.INPUT_GRAD_TILES:
         pytest.skip(f"SM{cc} has no W4A16 input-gradient kernel (W4A16 backward: SM80-SM90)")
     groups = _many_rows(8) if rows == "many_rows" else (150, 0, 3, 70, 1, 0, 40, 9)
     # by_index: the gate/up kernel reads 273 rows from 61 tokens in place (row_token_m).
-    _check(rng, fmt, groups=groups, padding=37, h=256, f=128, tokens=61 if rows == "by_index" else 0,
-           backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
+    by_index = rows.startswith("by_index")
+    _check(rng, fmt, groups=groups, padding=37, h=256, f=128, tokens=61 if by_index else 0,
+           transposed=rows == "by_index_transposed", backend=triton_lang.W4A16_BACKEND, compute_capability=cc)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "many_rows_by_index"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "many_rows_by_index",
+                                  "many_rows_by_index_transposed"])
 def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows):
     """``triton_lang.BF16_BACKEND``: the native bf16 tiles forward, the input gradients through the
     Pallas kernel at few rows per expert and the native kernel's many-rows tile at many
     (``BF16_MANY_ROWS_PER_EXPERT``), the weight gradient likewise (the Pallas kernel, then from
     ``tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT`` the native one, rows by TMA); ``by_index``: the
     rows read from 61 tokens (the many-rows tiles reading them in the gate/up product under
-    differentiation)."""
+    differentiation); ``_transposed``: the tokens' gradient summed through each token's rows
+    (``token_row_tk``, some entries naming padding rows)."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.BF16_TILES:
@@ -262,8 +270,8 @@ def test_gpu_triton_lang_bf16_forward_and_vjp_match_float64_reference(rng, rows)
                                                compute_capability=cc, transpose_w=True) is not None
     native_dw = sum(groups) + 37 >= tuning.NATIVE_WEIGHT_GRAD_ROWS_PER_EXPERT * len(groups)
     assert native_dw == many  # which weight gradient each case runs
-    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if rows.endswith("by_index") else 0,
-           backend=triton_lang.BF16_BACKEND, compute_capability=cc)
+    _check(rng, "bf16", groups=groups, padding=37, h=256, f=128, tokens=61 if "by_index" in rows else 0,
+           transposed=rows.endswith("_transposed"), backend=triton_lang.BF16_BACKEND, compute_capability=cc)
 
 
 def test_bad_arguments_raise_naming_the_argument():

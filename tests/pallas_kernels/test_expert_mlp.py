@@ -68,7 +68,9 @@ def token_row_transpose(row_token, defined: int, tokens: int, rng) -> jnp.ndarra
     """int32 ``[T, k]``: each token's defined rows (``m < defined``) in a random order, ``k`` one
     more than the most any token has; the empty entries -1, past the rows, or padding rows (``m >=
     defined``, where a layer's exchanges put the rows of tokens routed elsewhere): all mean none."""
-    rows = [[m for m in range(defined) if int(row_token[m]) == t] for t in range(tokens)]
+    # On the host: indexing a device array element by element is a transfer each (minutes on a GPU).
+    token_m = np.asarray(row_token)[:defined]
+    rows = [np.flatnonzero(token_m == t) for t in range(tokens)]
     width = max(map(len, rows)) + 1
     none = [-1, len(row_token), 2**31 - 1] + ([defined, len(row_token) - 1] if len(row_token) > defined else [])
     table = [list(rng.permutation(r)) + [none[(t + j) % len(none)] for j in range(width - len(r))]

@@ -103,6 +103,22 @@ def test_all_passed_verdict_counts_and_gives_skip_reasons():
                                      "(needs 4 CUDA GPU(s), found 1: 2); demo rc 0")
 
 
+def test_the_slowest_tests_are_named_longest_first_with_their_share():
+    """Across passes, skipped tests left out; an interrupted pass's tests count too."""
+    text, _ = _render([_pass(PASSING, rc=0), _pass(JUNIT, rc=1, label="all 2 GPUs")], gpus=2)
+    lines = text.splitlines()
+    start = lines.index("## Slowest tests")
+    assert lines[start + 2] == "4 tests took 42 s in all (summed over the workers); the 4 longest:"
+    rows = lines[start + 6:start + 10]
+    assert [row.split(" | ")[1:3] for row in rows] == [["1 GPU", "20.2"], ["all 2 GPUs", "20.2"], ["1 GPU", "1.0"],
+                                                       ["all 2 GPUs", "1.0"]], rows
+    assert rows[0].startswith("| `tests/pallas_kernels/test_kimi_size_gpu.py::test_kimi_size[nvfp4-down]` |")
+    assert rows[0].endswith("| 48% |") and rows[3].endswith("| 2% |")
+    assert lines[start + 10] == ""  # nothing more: the skipped test is not named
+    assert start < lines.index("## pytest: 1 GPU")
+    assert "## Slowest tests" not in _render([_pass(None, rc=124)])[0]
+
+
 @pytest.mark.parametrize("passes,demo_rc,gpus,expected", [
     pytest.param([("PASSING", 0)], 1, 1, "FAILED: the demo exited with rc 1", id="demo_failed"),
     pytest.param([("PASSING", 0)], None, 1, "FAILED: the demo did not run", id="demo_not_run"),

@@ -47,6 +47,8 @@ CUT_OFF_RC = 124  # `timeout`'s exit status when the limit ran out (SIGINT sent)
 _DEMO_KEYS = ("moe-jax demo on", "  target:", "  expert_gemm:", "  exchange:", "tokens:", "relative error",
               "NVFP4 quantization error", "expert load", "throughput", "FAILED")
 _MESSAGE_CHARS = 240
+#: How many tests the record's "Slowest tests" names.
+_SLOWEST = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +290,7 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
         out.append("not run")
     else:
         out += [f"rc {demo_rc}", "", "```", *_demo_lines(demo_text or "", demo_rc), "```"]
+    out += _slowest(passes)
     for p in passes:
         counts = p.counts()
         out += ["", f"## pytest: {p.label}", "", f"`{p.command}`", "",
@@ -314,6 +317,22 @@ def render(*, commit: str, dirty: str, date: str, command: str, device_text: str
         out += ["", f"## pytest: {n.label}", "", f"not run: {n.reason}"]
     out += ["", "## Verdict", "", line, ""]
     return "\n".join(out), ok
+
+
+def _slowest(passes: list[PassResult], count: int = _SLOWEST) -> list[str]:
+    """The ``count`` longest tests of all passes with their share of the summed test time: a
+    test-side cost (a host loop, a slow reference) shows here before it pushes the check into
+    a second call."""
+    timed = [(t.seconds, p.label, t.test_id) for p in passes for t in p.results() if t.outcome != SKIPPED]
+    total = sum(seconds for seconds, _, _ in timed)
+    if not timed or total <= 0:
+        return []
+    out = ["", "## Slowest tests", "",
+           f"{len(timed)} tests took {total:.0f} s in all (summed over the workers); the {min(count, len(timed))} longest:",
+           "", "| test | pass | s | share |", "| --- | --- | --- | --- |"]
+    for seconds, label, test_id in sorted(timed, key=lambda row: -row[0])[:count]:
+        out.append(f"| `{_cell(test_id)}` | {_cell(label)} | {seconds:.1f} | {seconds / total:.0%} |")
+    return out
 
 
 def _crash_note(p: PassResult) -> list[str]:

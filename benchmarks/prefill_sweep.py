@@ -11,9 +11,15 @@ is first compared with the Pallas kernel's (or the table tile's) on the same inp
 computes something else is recorded as wrong and never timed as a winner. Times are the median
 CUPTI kernel time over ``--runs`` calls.
 
+Besides ``prefill_sweep.json``, the run writes ``prefill_sweep.md``: each projection's rows with
+their fraction of XLA's dense anchor and of the byte floor (every expert's weights in the row's
+format, x read, y written, at the copy bandwidth of the same run), and what the weights' bytes
+alone allow of the anchor.
+
 Usage::
 
     python benchmarks/prefill_sweep.py --out DIR [--runs 20] [--only bf16 nvfp4 dx anchor]
+    python benchmarks/prefill_sweep.py --render DIR/prefill_sweep.json   # the page again, from the JSON
 """
 
 from __future__ import annotations
@@ -277,9 +283,68 @@ def router(rows_out, args):
             print(f"  router   {name} FAILED {exc!r}"[:300], flush=True)
 
 
+def weight_bytes(fmt: str, experts: int, n_w: int, k: int) -> int:
+    """The bytes of ``experts`` weights ``[N_W, K]``: bf16, or NVFP4 codes and E4M3 block scales."""
+    return experts * n_w * k * 2 if fmt == "bf16" else experts * (n_w * k // 2 + n_w * k // 16)
+
+
+def floor_ms(meta: dict, fmt: str, projection: str) -> float:
+    """The projection's byte floor at the run's copy bandwidth: the weights of every expert that
+    gets rows (uniform routing: all, up to one per row), x read and the output written, bf16."""
+    _, k, n_w, n_out = PROJECTIONS[projection]
+    rows, experts = meta["rows"], min(meta["experts"], meta["rows"])
+    moved = weight_bytes(fmt, experts, n_w, k) + rows * (k + n_out) * 2
+    return moved / (meta["copy_bandwidth_tbs"] * 1e12) * 1e3
+
+
+def _number(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(data: dict) -> str:
+    """The page of one run: per projection, the anchor, our kernels and torch's with their
+    fraction of XLA's dense anchor and of the byte floor; then the other groups as measured."""
+    meta, rows = data["meta"], data["rows"]
+    out = [f"# Prefill grouped GEMMs against dense cuBLAS ({meta['device']})", "",
+           f"- {meta['rows']} rows over {meta['experts']} experts, uniform routing; median CUPTI time of "
+           f"{meta['runs']} calls; copy bandwidth {meta['copy_bandwidth_tbs']:.2f} TB/s.",
+           "- of anchor: XLA's dense `[rows, K] x [K, N]` matmul of the same FLOPs (no experts) over this row's time.",
+           "- floor: every expert's weights in the row's format, x read and the output written, at the copy "
+           "bandwidth; of floor: the floor over this row's time (1.00: the bytes' speed).",
+           "- wrong or failed rows (against the reference named in their note) have no time."]
+    for projection, (_, k, n_w, n_out) in PROJECTIONS.items():
+        here = [r for r in rows if r["projection"] == projection and r["group"] in ("anchor", "bf16", "nvfp4")]
+        if not here:
+            continue
+        anchor_ms = next((r["ms"] for r in here if r["impl"] == "xla dense" and r["ms"]), None)
+        out += ["", f"## {projection} (K {k}, weight rows {n_w}, output columns {n_out})", ""]
+        if anchor_ms:
+            bounds = [f"{fmt} {anchor_ms / floor_ms(meta, fmt, projection):.2f}" for fmt in ("bf16", "nvfp4")]
+            out += ["What the weights' bytes allow at the copy bandwidth, as a fraction of the anchor: "
+                    + ", ".join(bounds) + " (a kernel streaming every byte at the copy bandwidth, its MMAs hidden).", ""]
+        out += ["| group | impl | tile | ms | TFLOP/s | of anchor | floor (ms) | of floor | note |",
+                "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in here:
+            floor = None if r["group"] == "anchor" else floor_ms(meta, r["group"], projection)
+            of_anchor = anchor_ms / r["ms"] if anchor_ms and r["ms"] else None
+            of_floor = floor / r["ms"] if floor and r["ms"] else None
+            out.append(f"| {r['group']} | {r['impl']} | {r['tile']} | {_number(r['ms'], '.3f')} | "
+                       f"{_number(r['tflops'], '.0f')} | {_number(of_anchor, '.2f')} | {_number(floor, '.3f')} | "
+                       f"{_number(of_floor, '.2f')} | {r['note']} |")
+    others = [r for r in rows if r["group"] not in ("anchor", "bf16", "nvfp4")]
+    if others:
+        out += ["", "## Other measurements", "", "| group | projection | impl | tile | ms | TFLOP/s | rel err | note |",
+                "|---|---|---|---|---:|---:|---:|---|"]
+        out += [f"| {r['group']} | {r['projection']} | {r['impl']} | {r['tile']} | {_number(r['ms'], '.3f')} | "
+                f"{_number(r['tflops'], '.0f')} | {_number(r['rel_err'], '.1e')} | {r['note']} |" for r in others]
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--render", type=pathlib.Path, metavar="JSON",
+                        help="write the page of an earlier run's prefill_sweep.json beside it, and measure nothing")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--experts", type=int, default=384)
@@ -289,6 +354,11 @@ def main() -> None:
     parser.add_argument("--ncu", action="store_true",
                         help="run each kernel of interest once (96 experts, 16384 rows: ~170 per expert), for ncu")
     args = parser.parse_args()
+    if args.render:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        return None
+    if args.out is None:
+        parser.error("--out is required unless --render is given")
     cc = 90
     if args.ncu:
         return ncu_targets(cc)
@@ -310,6 +380,7 @@ def main() -> None:
         grouped(rows_out, args, cc, args.experts, args.rows)
     if "dx" in args.only:
         input_grads(rows_out, args, cc)
+    (args.out / "prefill_sweep.md").write_text(markdown({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows_out]}))
 
 
 def ncu_targets(cc: int) -> None:

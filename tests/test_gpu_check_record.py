@@ -104,7 +104,7 @@ def test_all_passed_verdict_counts_and_gives_skip_reasons():
 
 
 def test_the_slowest_tests_are_named_longest_first_with_their_share():
-    """Across passes, skipped tests left out; an interrupted pass's tests count too."""
+    """Across passes, longest first; skipped tests left out, a failed pass's tests counted."""
     text, _ = _render([_pass(PASSING, rc=0), _pass(JUNIT, rc=1, label="all 2 GPUs")], gpus=2)
     lines = text.splitlines()
     start = lines.index("## Slowest tests")

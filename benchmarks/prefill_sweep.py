@@ -37,7 +37,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.grouped_gemm import copy_bandwidth, group_sizes, time_jax, time_torch  # noqa: E402
+from benchmarks.grouped_gemm import (  # noqa: E402
+    copy_bandwidth, group_sizes, nvfp4_bytes_per_expert, time_jax, time_torch)
 from moe_jax import nvfp4  # noqa: E402
 from pallas_kernels.grouped_matmul import run as pallas_run  # noqa: E402
 from pallas_kernels.grouped_matmul import triton_lang  # noqa: E402
@@ -285,7 +286,7 @@ def router(rows_out, args):
 
 def weight_bytes(fmt: str, experts: int, n_w: int, k: int) -> int:
     """The bytes of ``experts`` weights ``[N_W, K]``: bf16, or NVFP4 codes and E4M3 block scales."""
-    return experts * n_w * k * 2 if fmt == "bf16" else experts * (n_w * k // 2 + n_w * k // 16)
+    return experts * (n_w * k * 2 if fmt == "bf16" else nvfp4_bytes_per_expert(n_w, k))
 
 
 def floor_ms(meta: dict, fmt: str, projection: str) -> float:

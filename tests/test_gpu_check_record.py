@@ -332,10 +332,13 @@ def write(done):
 if "MOE_JAX_COLLECTED_IDS" in os.environ:  # a first call: collects three tests, runs two, then hangs
     with open(os.environ["MOE_JAX_COLLECTED_IDS"], "w") as f:
         f.write("tests/test_a.py::test_1\\ntests/test_a.py::test_2\\ntests/test_b.py::test_3\\n")
-    write(["tests/test_a.py::test_1", "tests/test_a.py::test_2"])
+    write(["tests/test_a.py::test_1", "tests/test_a.py::test_2"][:int(os.environ.get("FAKE_FIRST_RUN", 2))])
     time.sleep(120)
 with open(os.environ["FAKE_ARGS"], "w") as f:  # a continuation: what it was asked to run
     f.write("\\n".join(ids))
+if "FAKE_RUN" in os.environ:  # a continuation that is cut off in turn: runs that many, then hangs
+    write(ids[:int(os.environ["FAKE_RUN"])])
+    time.sleep(120)
 write(ids)
 """
 
@@ -364,6 +367,44 @@ def test_the_script_records_a_cut_off_pass_and_continues_it_with_the_first_calls
             == (tmp_path / "call1" / "pass1_collected.txt").read_text())  # the first call's list
     record2 = (tmp_path / "call2" / "gpu_check.md").read_text()
     assert record2.startswith("# GPU check: passed") and "continues an earlier call" in record2
+
+
+def test_a_continuation_cut_off_in_turn_is_continued_with_every_earlier_calls_pass(tmp_path):
+    """Three calls: the first runs 1 of 3 tests, the second is cut off after the next one, the third
+    runs the last; its record holds all three calls' passes. A continuation an older script made (its
+    first call's files, no earlier_passes.spec) is refused rather than run again from the start."""
+    root = TOOL.parents[1]
+    (tmp_path / "python").write_text(_FAKE_PYTHON)
+    (tmp_path / "python").chmod(0o755)
+    (tmp_path / "pytest.py").write_text(_FAKE_PYTEST)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")},
+           "PYTHON": str(tmp_path / "python"), "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "pytest.py"),
+           "FAKE_ARGS": str(tmp_path / "args.txt"), "GIT_COMMIT": "abc123", "GIT_DIRTY": "0", "GPU_CHECK_PASS1_S": "3"}
+
+    def call(name, **extra):
+        return subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / name)],
+                              env={**env, **extra}, capture_output=True, text=True, timeout=120)
+
+    assert call("call1", FAKE_FIRST_RUN="1").returncode == 1
+    second = call("call2", GPU_CHECK_CONTINUE=str(tmp_path / "call1"), FAKE_RUN="1")
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert (tmp_path / "call2" / "gpu_check.md").read_text().rstrip().endswith(
+        "1 of 3 collected tests ran in no call (tests/test_b.py::test_3)")
+    third = call("call3", GPU_CHECK_CONTINUE=str(tmp_path / "call2"))
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert (tmp_path / "args.txt").read_text() == "tests/test_b.py::test_3"  # what neither call ran
+    specs = (tmp_path / "call3" / "earlier_passes.spec").read_text().splitlines()
+    assert [spec.split("|")[3] for spec in specs] == ["call1_pytest_1gpu.xml", "call2_pytest_1gpu.xml"]
+    assert specs[0].startswith("1 GPU (CUDA_VISIBLE_DEVICES=0), first call (commit abc123)|124|")
+    assert specs[1].startswith("1 GPU (CUDA_VISIBLE_DEVICES=0), second call (commit abc123)|124|")
+    record3 = (tmp_path / "call3" / "gpu_check.md").read_text()
+    assert record3.startswith("# GPU check: passed") and "## pytest: 1 GPU (CUDA_VISIBLE_DEVICES=0), third call" in record3
+    assert record3.rstrip().endswith("all 3 tests passed (1 GPU (CUDA_VISIBLE_DEVICES=0), first call (commit abc123): 1, "
+                                     "1 GPU (CUDA_VISIBLE_DEVICES=0), second call (commit abc123): 1, "
+                                     "1 GPU (CUDA_VISIBLE_DEVICES=0), third call: 1), 0 skipped; demo rc 0")
+    (tmp_path / "call2" / "earlier_passes.spec").unlink()
+    older = call("call3b", GPU_CHECK_CONTINUE=str(tmp_path / "call2"))
+    assert older.returncode == 2 and "without earlier_passes.spec" in older.stderr
 
 
 _FAKE_NVIDIA_SMI = """#!/usr/bin/env bash

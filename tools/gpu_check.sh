@@ -65,7 +65,10 @@
 #                                  only the tests of DIR's pass1_collected.txt (the first call's
 #                                  collection, not this call's: optional packages can change it) that
 #                                  DIR's junit XML lacks; the record holds both calls and passes only if
-#                                  together they ran every collected test and all passed.
+#                                  together they ran every collected test and all passed. DIR may itself
+#                                  be a continuation (a slow H100 once ran 345 of 467 tests in two calls,
+#                                  5c326f2's check): its earlier calls come along (earlier_passes.spec,
+#                                  call1_*, call2_*, ...) and this call runs what none of them ran.
 #   PYTHON=python3                 the interpreter
 set -uo pipefail
 
@@ -231,19 +234,46 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
       "(gpu_check.md, pass_1gpu.spec, pytest_1gpu.xml, pass1_collected.txt)" >&2
     exit 2
   fi
-  # Its commit goes into the record: the two commits must not differ in code (the device copy has
-  # no git to check that; whoever commits the record does).
-  for f in pytest_1gpu.xml pytest_1gpu.txt; do cp "$prev/$f" "$out/call1_$f"; done
+  if [[ -e "$prev/call1_pytest_1gpu.xml" && ! -s "$prev/earlier_passes.spec" ]]; then
+    echo "GPU_CHECK_CONTINUE=$GPU_CHECK_CONTINUE: a continuation without earlier_passes.spec (an older" \
+      "gpu_check.sh made it): write its earlier calls' pass specs there, one a line, as pass_1gpu.spec has its own" >&2
+    exit 2
+  fi
+  # The earlier calls' passes: those DIR continued (its earlier_passes.spec, their files alongside),
+  # then DIR's own, each call's junit XML and log as callN_*. Its commit goes into the record: the
+  # calls' commits must not differ in code (the device copy has no git to check that; whoever
+  # commits the record does).
+  : > "$out/earlier_passes.spec"
+  calls=0
+  if [[ -s "$prev/earlier_passes.spec" ]]; then
+    cp "$prev/earlier_passes.spec" "$out/earlier_passes.spec"
+    while IFS='|' read -r _ _ _ xml log _; do
+      cp "$prev/$xml" "$prev/$log" "$out/" || exit 2
+      calls=$((calls + 1))
+    done < "$prev/earlier_passes.spec"
+  fi
+  calls=$((calls + 1))
+  for f in pytest_1gpu.xml pytest_1gpu.txt; do cp "$prev/$f" "$out/call${calls}_$f"; done
   IFS='|' read -r label1 rc1 s1 _ _ cmd1 < "$prev/pass_1gpu.spec"
-  record_args+=(--earlier-pass "$label1, first call (commit $commit1)|$rc1|$s1|call1_pytest_1gpu.xml|call1_pytest_1gpu.txt|$cmd1")
+  if (( calls == 1 )); then label1="$label1, first call"; fi
+  printf '%s\n' "$label1 (commit $commit1)|$rc1|$s1|call${calls}_pytest_1gpu.xml|call${calls}_pytest_1gpu.txt|$cmd1" \
+    >> "$out/earlier_passes.spec"
+  earlier_xmls=()
+  while IFS= read -r spec; do
+    IFS='|' read -r _ _ _ xml _ <<< "$spec"
+    record_args+=(--earlier-pass "$spec")
+    earlier_xmls+=("$out/$xml")
+  done < "$out/earlier_passes.spec"
   # The first call's list, not a collection of this call's: whatever optional packages are
   # installed here (705 against 683 tests when tokamax was present), the same tests are covered.
   cp "$prev/pass1_collected.txt" "$out/pass1_collected.txt"
   record_args+=(--collected pass1_collected.txt)
-  mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "$out/call1_pytest_1gpu.xml")
+  mapfile -t pass1_left < <("$PY" tools/gpu_check_record.py --remaining "$out/pass1_collected.txt" "${earlier_xmls[@]}")
   echo "== continuing pass 1 of $prev: ${#pass1_left[@]} of $(wc -l < "$out/pass1_collected.txt") collected tests left"
+  ordinals=(first second third fourth fifth sixth seventh eighth ninth)
   if (( ${#pass1_left[@]} )); then
-    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), second call" "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
+    run_pass 1gpu "1 GPU (CUDA_VISIBLE_DEVICES=0), ${ordinals[calls]:-next} call" \
+      "$(min "${GPU_CHECK_PASS1_S:-450}" "$(max 60 "$(( $(left) - 30 ))")")" \
       CUDA_VISIBLE_DEVICES=0 -- -m "$marks" "${pass1_left[@]}"
   fi
 elif [[ " $passes " == *" 1 "* ]]; then

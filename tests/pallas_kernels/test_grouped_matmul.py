@@ -14,6 +14,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -405,6 +406,26 @@ def test_global_scale_shapes_each_op_takes(rng):
             variant=Variant.DECODE, weights=tuning.WeightFormat.NVFP4, op=Op.MATMUL, dequant=Dequant.EXACT,
             config=tuning.TILE_TABLE[90][(Variant.DECODE, tuning.WeightFormat.NVFP4, Op.MATMUL)], num_rows=16, k=64,
             n_out=16, block_k=64, block_n=16, max_tiles=2, aliased=False), scale_groups=2)
+
+
+def test_reference_dequantize_decodes_every_byte_at_every_scale():
+    """Each packed byte, both nibbles, at each finite E4M3 block scale, against E2M1 decoded from
+    its bits here (sign, two exponent bits, one mantissa bit), times the scale and a global one."""
+
+    def e2m1(code: int) -> float:
+        exponent, mantissa = (code >> 1) & 3, code & 1
+        magnitude = mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+        return -magnitude if code & 8 else magnitude
+
+    scale_bits = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # 0x7F, 0xFF: NaN
+    packed = np.broadcast_to(np.arange(256, dtype=np.uint8), (1, len(scale_bits), 256))
+    scales = np.broadcast_to(scale_bits[None, :, None], (1, len(scale_bits), 32)).view(ml_dtypes.float8_e4m3fn)
+    global_scale = np.float32(0.37)
+    pairs = np.array([[e2m1(byte & 0xF), e2m1(byte >> 4)] for byte in range(256)]).reshape(-1)
+    want = pairs[None, None, :] * scales[..., :1].astype(np.float64) * np.float64(global_scale)
+    got = reference.dequantize(packed, scales, np.asarray([global_scale]))
+    assert got.dtype == np.float64 and got.shape == (1, len(scale_bits), 512)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_reference_dequantize_applies_each_groups_scale(rng):

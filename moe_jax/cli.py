@@ -135,7 +135,8 @@ def explain(args) -> int:
     print(memory.report(config, exchange=plan.exchange, tokens_per_device=tokens,
                         expert_parallel=plan.target.expert_parallel, moe_layers=_moe_layers(args),
                         device_kind=plan.target.device_kind,
-                        device_memory=None if args.device_memory_gb is None else int(args.device_memory_gb * memory.GB)))
+                        device_memory=None if args.device_memory_gb is None else
+                                      int(args.device_memory_gb * memory.GB)))
     print(_traffic_report(plan, tokens, args.link_gbps))
     return 0
 
@@ -207,7 +208,8 @@ def demo(args) -> int:
     print(f"NVFP4 quantization error (float64, vs the unquantized weights):  {err_q:.2e}")
     print(f"expert load: min {load.min()}, max {load.max()}, mean {load.mean():.1f} rows; "
           f"load-balance loss {float(stats['load_balance_loss']):.3f}; dropped {int(stats['dropped'])}")
-    print(f"throughput: {args.tokens / median:,.0f} tokens/s (median of {args.iters} calls, {median * 1e3:.2f} ms/call)")
+    print(f"throughput: {args.tokens / median:,.0f} tokens/s "
+          f"(median of {args.iters} calls, {median * 1e3:.2f} ms/call)")
     ok = np.isfinite(y64).all() and err < args.max_error
     if not ok:
         print(f"FAILED: error {err:.2e} above --max-error {args.max_error:.0e} or non-finite output")

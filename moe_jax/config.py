@@ -232,7 +232,8 @@ class MoEConfig:
             if per_group < 2:
                 _fail("num_groups", self.num_groups, "needs >= 2 experts per group (a group scores by its top 2)")
             if self.top_k > self.topk_groups * per_group:
-                _fail("top_k", self.top_k, f"must be <= topk_groups * experts per group = {self.topk_groups * per_group}")
+                _fail("top_k", self.top_k,
+                      f"must be <= topk_groups * experts per group = {self.topk_groups * per_group}")
 
     @property
     def shared_format(self) -> WeightFormat:

@@ -391,7 +391,8 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
                                      row_token_m=row_token_m, token_row_tk=token_row_tk).astype(plan.config.dtype)
     match triton_lang.mode_for(cc):
         case triton_lang.Mode.W4A16:
-            backend = triton_lang.W4A8_BACKEND if plan.config.prefill_activations == "fp8" else triton_lang.W4A16_BACKEND
+            backend = (triton_lang.W4A8_BACKEND if plan.config.prefill_activations == "fp8"
+                       else triton_lang.W4A16_BACKEND)
             y_mh = pallas_gmm.expert_mlp(x_mh, group_sizes_e, weights["w_gate_up_egh"], weights["w_down_ehf"],
                                          backend=backend, compute_capability=cc, quantize=_quantize(plan),
                                          row_token_m=row_token_m, token_row_tk=token_row_tk)
@@ -433,7 +434,8 @@ def _triton_cannot_run(target: Target, config: MoEConfig) -> str | None:
                 f"tuned for SM{', SM'.join(map(str, sorted(triton_lang.NATIVE_TILES)))}")
     if config.prefill_activations == "fp8":
         if cc not in triton_lang.W4A8_CAPABILITIES:
-            return (f"prefill_activations='fp8' (W4A8): its MMA is SM90's FP8 wgmma, found {target.device_kind} (SM{cc})"
+            return ("prefill_activations='fp8' (W4A8): its MMA is SM90's FP8 wgmma, "
+                    f"found {target.device_kind} (SM{cc})"
                     + ("; SM100/SM120 quantize activations to NVFP4 (W4A4) with the default" if cc >= 100 else ""))
         if target.training:
             return ("prefill_activations='fp8' (W4A8) is for inference; training multiplies bf16 activations "

@@ -240,7 +240,8 @@ def check_params(params: Params, config: MoEConfig) -> None:
             raise ValueError(f"params['input_scales']: {found}, expected a dict with entries among {sorted(allowed)}")
         for names, shape in triples.values():
             if names & set(scales) and names - set(scales):
-                raise ValueError(f"params['input_scales']: {sorted(names - set(scales))} missing; {sorted(names)} come together")
+                raise ValueError(f"params['input_scales']: {sorted(names - set(scales))} missing; "
+                                 f"{sorted(names)} come together")
             for name in sorted(names & set(scales)):
                 w = scales[name]
                 if getattr(w, "dtype", None) != jnp.float32 or tuple(w.shape) != shape:
@@ -450,7 +451,8 @@ def mesh_param_specs(params: Params, mesh: Mesh | AbstractMesh, expert_axis: str
 def _plan_mesh(plan: Plan) -> Mesh:
     if not isinstance(plan, Plan) or not isinstance(plan.mesh, Mesh):
         found = type(plan).__name__ if not isinstance(plan, Plan) else f"a plan with mesh {plan.mesh!r}"
-        raise ValueError(f"plan: {found}, expected a Plan resolved for a jax.sharding.Mesh (moe_jax.resolve(config, mesh))")
+        raise ValueError(f"plan: {found}, expected a Plan resolved for a jax.sharding.Mesh "
+                         "(moe_jax.resolve(config, mesh))")
     return plan.mesh
 
 

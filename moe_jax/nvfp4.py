@@ -495,7 +495,8 @@ def random(key: jax.Array, shape: tuple[int, ...], *, sharding=None) -> NVFP4Ten
         k_codes, k_scales = jax.random.split(key)
         return NVFP4Tensor(
             packed=jax.random.bits(k_codes, (*lead, n, k // 2), jnp.uint8),
-            scales=jax.random.uniform(k_scales, (*lead, n, k // BLOCK), minval=0.5, maxval=1.5).astype(jnp.float8_e4m3fn),
+            scales=jax.random.uniform(k_scales, (*lead, n, k // BLOCK), minval=0.5,
+                                      maxval=1.5).astype(jnp.float8_e4m3fn),
             global_scale=jnp.full(lead, 0.3 / (E2M1_MAX * np.sqrt(k)), jnp.float32),
         )
 

@@ -282,7 +282,8 @@ def check_layer(shape: Shape, fmt: str, params: dict, cases: list[LayerCase], de
             continue
         result.compared, result.excluded = int(clear_t.sum()), int((~clear_t).sum())
         if result.excluded > shape.tokens // 2:
-            result.failure = f"{result.excluded} of {shape.tokens} tokens within {TIE:g} of a routing tie; expected at most half"
+            result.failure = (f"{result.excluded} of {shape.tokens} tokens within {TIE:g} of a routing tie; "
+                              "expected at most half")
             continue
         result.error = _relative_error(y[clear_t], refs[result.mode == "w4a4"][clear_t])
     return [result for result, _ in runs], not_run
@@ -424,8 +425,10 @@ def run(*, full: bool | None = None, seed: int | None = None,
     if not full_size:
         notes.append(f"full-size ({KIMI.name}) cases: " + (
             "skipped (--quick)" if full is False else
-            "off by default on CPU (tens of GB and minutes: the xla path dequantizes all 384 experts); --full runs them"))
-    groups = [(fmt, shape) for fmt in FORMATS for shape in ((SMALL, KIMI) if full_size and fmt == "nvfp4" else (SMALL,))]
+            "off by default on CPU (tens of GB and minutes: the xla path dequantizes all 384 experts); "
+            "--full runs them"))
+    groups = [(fmt, shape) for fmt in FORMATS
+              for shape in ((SMALL, KIMI) if full_size and fmt == "nvfp4" else (SMALL,))]
     meshes, ep_notes = expert_parallel_meshes(devices, list(dict.fromkeys(shape for _, shape in groups)))
     notes += ep_notes
     names = EXPERT_GEMM.names()

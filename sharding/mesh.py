@@ -123,18 +123,22 @@ def logical_to_spec(
             entries.append(None)
             continue
         if logical_name not in rules:
-            raise ValueError(f"{name}: logical axis {logical_name!r} (dim {dim}) has no rule; rules cover {sorted(rules)}")
+            raise ValueError(f"{name}: logical axis {logical_name!r} (dim {dim}) has no rule; "
+                             f"rules cover {sorted(rules)}")
         mesh_axes = _as_tuple(rules[logical_name])
         for axis in mesh_axes:
             if axis not in mesh.shape:
-                raise ValueError(f"{name}: rule {logical_name!r} -> {axis!r}, but the mesh has axes {tuple(mesh.axis_names)}")
+                raise ValueError(f"{name}: rule {logical_name!r} -> {axis!r}, "
+                                 f"but the mesh has axes {tuple(mesh.axis_names)}")
             if axis in used:
-                raise ValueError(f"{name}: mesh axis {axis!r} shards dims {used[axis]} and {dim}; an axis may shard one dim")
+                raise ValueError(f"{name}: mesh axis {axis!r} shards dims {used[axis]} and {dim}; "
+                                 "an axis may shard one dim")
             used[axis] = dim
         ways = int(np.prod([mesh.shape[a] for a in mesh_axes], dtype=np.int64))
         if size % ways:
             raise ValueError(
-                f"{name}: dim {dim} ({logical_name!r}) has size {size}, which {mesh_axes} ({ways} devices) does not divide"
+                f"{name}: dim {dim} ({logical_name!r}) has size {size}, "
+                f"which {mesh_axes} ({ways} devices) does not divide"
             )
         entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return P(*entries)

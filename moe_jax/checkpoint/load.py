@@ -51,11 +51,13 @@ def _layer_config(directory: Path, layer: int, config: MoEConfig | None) -> tupl
     from_hf = MoEConfig.from_hf_config(hf)
     layers = moe_layer_indices(hf)
     if type(layer) is not int or not 0 <= layer < layers.stop:
-        raise CheckpointError(f"layer: {layer!r}, expected an int in 0..{layers.stop - 1} (num_hidden_layers = {layers.stop})")
+        raise CheckpointError(f"layer: {layer!r}, expected an int in 0..{layers.stop - 1} "
+                              f"(num_hidden_layers = {layers.stop})")
     if layer not in layers:
         raise CheckpointError(
             f"layer: {layer} is a dense layer (first_k_dense_replace = {layers.start}; its MLP is "
-            f"model.layers.{layer}.mlp.{{gate,up,down}}_proj), expected a MoE layer in {layers.start}..{layers.stop - 1}"
+            f"model.layers.{layer}.mlp.{{gate,up,down}}_proj), expected a MoE layer in "
+            f"{layers.start}..{layers.stop - 1}"
         )
     if config is None:
         return from_hf, hf
@@ -175,7 +177,8 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
     # The router first: its shape says how many experts the checkpoint has.
     router_name = f"{mlp}.gate.weight"
     if router_name not in ckpt and f"{mlp}.gate_proj.weight" in ckpt:
-        raise CheckpointError(f"{router_name}: missing, and {mlp}.gate_proj.weight is present: layer {layer} is stored dense")
+        raise CheckpointError(f"{router_name}: missing, and {mlp}.gate_proj.weight is present: "
+                              f"layer {layer} is stored dense")
     check_tensor(ckpt, router_name, ROUTER_DTYPES, (e_count, h),
                  f"router [n_routed_experts, hidden_size] = [{e_count}, {h}]; never quantized")
     leaves: dict = {"router": {"w_eh": _small(ckpt.read(router_name))}}
@@ -238,7 +241,8 @@ def _plan_layer(ckpt: Checkpoint, settings: QuantizationSettings, layer: int, co
                 used.add(proj.tensor("input_scale"))
     for name in sorted(n for n in ckpt.tensors if n.startswith(f"{mlp}.") and n not in used):
         raise CheckpointError(f"{name}: {ckpt.info(name).describe()}, not a tensor of a {experts_format} MoE layer "
-                              f"with {'a ' + shared_format + ' shared expert' if shared_format else 'no shared expert'}")
+                              "with "
+                              f"{'a ' + shared_format + ' shared expert' if shared_format else 'no shared expert'}")
     return leaves, experts_format, shared_format
 
 

@@ -75,7 +75,8 @@ def quantization_settings(directory: str | os.PathLike, hf: dict | None = None) 
         if not isinstance(q, dict):
             raise CheckpointError(f"{source}: a {type(q).__name__}, expected an object")
         if q.get("quant_method") != "modelopt":
-            raise CheckpointError(f"{source}: quant_method = {q.get('quant_method')!r} is not supported, expected 'modelopt'")
+            raise CheckpointError(f"{source}: quant_method = {q.get('quant_method')!r} is not supported, "
+                                  "expected 'modelopt'")
         found.append(_settings(q, source, "ignore", q.get("group_size", _group_size_of_config_groups(q, source))))
     if (directory / HF_QUANT_CONFIG).is_file():
         source = str(directory / HF_QUANT_CONFIG)
@@ -89,7 +90,8 @@ def quantization_settings(directory: str | os.PathLike, hf: dict | None = None) 
     if len(found) == 2:
         # Which of two disagreeing files is right cannot be known: a layer's format would be a guess.
         new, old = found
-        for field, a, b in (("quant_algo", new.quant_algo, old.quant_algo), ("group_size", new.group_size, old.group_size),
+        for field, a, b in (("quant_algo", new.quant_algo, old.quant_algo),
+                            ("group_size", new.group_size, old.group_size),
                             ("ignore / exclude_modules", sorted(new.exclude), sorted(old.exclude))):
             if a != b:
                 raise CheckpointError(f"{new.source} and {old.source} disagree on {field}: {a!r} against {b!r}; "
@@ -222,7 +224,8 @@ def read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
             if bad.any():
                 first = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise CheckpointError(
-                    f"{name}: {np.count_nonzero(bad)} of {u8.size} block scales NaN or negative (first at {list(first)}: "
+                    f"{name}: {np.count_nonzero(bad)} of {u8.size} block scales NaN or negative "
+                    f"(first at {list(first)}: "
                     f"{value[first]}, byte 0x{u8[first]:02x}), expected finite E4M3 scales >= 0"
                 )
     elif value.dtype == np.float16:
@@ -233,7 +236,8 @@ def read_projection(ckpt: Checkpoint, name: str) -> np.ndarray:
         if inexact.any():
             first = tuple(int(i) for i in np.argwhere(inexact)[0])
             raise CheckpointError(
-                f"{name}: F16 {list(value.shape)}, {np.count_nonzero(inexact)} of {value.size} values not exact in bf16 "
+                f"{name}: F16 {list(value.shape)}, {np.count_nonzero(inexact)} of {value.size} "
+                "values not exact in bf16 "
                 f"(first at {list(first)}: {value[first]}), expected BF16, or F16 that bf16 holds exactly "
                 "(unquantized projections are bf16, and nothing is rounded on load)"
             )

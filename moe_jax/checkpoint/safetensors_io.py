@@ -81,7 +81,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         try:
             code, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: header entry {entry!r}, expected dtype, shape, data_offsets") from None
+            raise CheckpointError(f"{path}: tensor {name}: header entry {entry!r}, "
+                                  "expected dtype, shape, data_offsets") from None
         if code not in DTYPES:
             raise CheckpointError(f"{name}: dtype {code} in {path.name}, expected one of {', '.join(DTYPES)}")
         nbytes = math.prod(shape) * DTYPES[code].itemsize
@@ -90,7 +91,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
                 f"{name}: data_offsets [{begin}, {end}] in {path.name} ({size} bytes), expected {nbytes} bytes "
                 f"for {code} {list(shape)} inside the file"
             )
-        tensors[name] = TensorInfo(name=name, path=path, dtype=code, shape=shape, start=data_start + begin, nbytes=nbytes)
+        tensors[name] = TensorInfo(name=name, path=path, dtype=code, shape=shape, start=data_start + begin,
+                                   nbytes=nbytes)
     return tensors
 
 

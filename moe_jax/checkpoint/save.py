@@ -114,7 +114,8 @@ def save_moe_layer(
     directory.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in directory.glob("*.safetensors*"))
     if existing:
-        raise ValueError(f"directory: {directory} already holds {existing[0]}, expected no safetensors (a fresh directory)")
+        raise ValueError(f"directory: {directory} already holds {existing[0]}, "
+                         "expected no safetensors (a fresh directory)")
     tensors = _layer_tensors(layer, params, config)
     if not (directory / "config.json").exists():
         hf = hf_config_dict(config, num_hidden_layers=layer + 1, first_k_dense_replace=0)

@@ -175,7 +175,8 @@ def compile_input_grad(capability: int, *, n: int, k: int, rows: int, experts: i
 
     spec = triton_lang.make_input_grad_spec(num_rows=rows, num_experts=experts, n=n, k=k, compute_capability=capability)
     return crosscompile.compile_jit(
-        triton_lang.input_grad_kernel_function(), signature=triton_lang.input_grad_signature(spec), constexprs=spec.constexprs(),
+        triton_lang.input_grad_kernel_function(), signature=triton_lang.input_grad_signature(spec),
+        constexprs=spec.constexprs(),
         capability=capability, num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
         name="native_input_grad_w4a16", with_sass=with_sass)
 

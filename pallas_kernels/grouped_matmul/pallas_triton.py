@@ -406,7 +406,8 @@ def _kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, *refs, spec: K
         row0, rows, c, cols = weight_tile(half, i)
         match spec.weights:
             case WeightFormat.BF16:
-                return memory.read(weight_refs[0], expert, pl.ds(row0, rows), pl.ds(pl.multiple_of(c * cols, cols), cols))
+                return memory.read(weight_refs[0], expert, pl.ds(row0, rows),
+                                   pl.ds(pl.multiple_of(c * cols, cols), cols))
             case WeightFormat.NVFP4:
                 k_bytes = pl.multiple_of(c * (cols // 2), cols // 2)
                 packed = memory.read(weight_refs[0], expert, pl.ds(row0, rows), pl.ds(k_bytes, cols // 2))

@@ -276,7 +276,8 @@ class NativeSpec:
 # v1 or v2 and one mask: (v1 << 6) codes 0 and 4, (v1 << 2) 1 and 5, (v2 << 4) 2 and 6, v2 3
 # and 7.
 def _pair_ptx(word: str, shift: int, out_lo: str, out_hi: str) -> str:
-    placed = f"shl.b32 p, {word}, {shift};\nand.b32 p, p, 0x81c081c0;\n" if shift else f"and.b32 p, {word}, 0x81c081c0;\n"
+    placed = (f"shl.b32 p, {word}, {shift};\nand.b32 p, p, 0x81c081c0;\n" if shift
+              else f"and.b32 p, {word}, 0x81c081c0;\n")
     return placed + f"fma.rn.bf16x2 p, p, s2, z;\nmov.b32 {{{out_lo}, {out_hi}}}, p;\n"
 
 
@@ -397,7 +398,8 @@ def _program_tile(NUM_TILES: tl.constexpr, NUM_COLUMN_TILES: tl.constexpr, GROUP
 @triton.jit
 def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
             w_scale_ptr, w_global_ptr, out_in_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
-            G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+            G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr,
+            W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
             NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, TAIL_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, NUM_STAGES: tl.constexpr,
             OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
@@ -431,7 +433,8 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
                       BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
             else:
                 _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr,
-                           w_ptr, w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W,
+                           w_ptr, w_scale_ptr, w_global_ptr, out_ptr, K, N_OUT, N_W, G,
+                           FUSED, W4A4, W4A8, BF16, TRANS_W,
                            BLOCK_M, EXTRA_M, BLOCK_N, BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
             _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
@@ -442,7 +445,8 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
 @triton.jit
 def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr,
                w_scale_ptr, w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr,
-               G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
+               G: tl.constexpr, FUSED: tl.constexpr, W4A4: tl.constexpr,
+               W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr,
                BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                NUM_STAGES: tl.constexpr, OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """A tile of more than ``TAIL_M`` rows: ``BLOCK_M`` rows, or ``BLOCK_M + EXTRA_M`` if it holds more."""
@@ -453,7 +457,8 @@ def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global
                   BLOCK_K, NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
         else:
             _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
-                  w_global_ptr, out_ptr, K, N_OUT, N_W, G, FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
+                  w_global_ptr, out_ptr, K, N_OUT, N_W, G,
+                  FUSED, W4A4, W4A8, BF16, TRANS_W, BLOCK_M, 0, BLOCK_N, BLOCK_K,
                   NUM_STAGES, OUT_K_ORDER, GATHER_ROWS)
     else:
         _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
@@ -464,7 +469,8 @@ def _full_tile(rows, row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global
 @triton.jit
 def _tile(row_start, row_end, expert, j, x_ptr, x_scale_ptr, x_global_ptr, row_token_ptr, w_ptr, w_scale_ptr,
           w_global_ptr, out_ptr, K: tl.constexpr, N_OUT: tl.constexpr, N_W: tl.constexpr, G: tl.constexpr,
-          FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr, BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+          FUSED: tl.constexpr, W4A4: tl.constexpr, W4A8: tl.constexpr,
+          BF16: tl.constexpr, TRANS_W: tl.constexpr, BLOCK_M: tl.constexpr,
           EXTRA_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
           OUT_K_ORDER: tl.constexpr, GATHER_ROWS: tl.constexpr):
     """Rows ``[row_start, min(row_end, row_start + BLOCK_M + EXTRA_M))`` of one expert x output
@@ -621,7 +627,8 @@ def _k_order(chunk_start, i, BLOCK_K: tl.constexpr, INVERSE: tl.constexpr):
 
 @triton.jit
 def _input_grad_kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, dy_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-                       out_in_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                       out_in_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+                       NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_T: tl.constexpr,
                        NUM_STAGES: tl.constexpr):
     """W4A16 input gradient: ``out[m, :] = dy[m, :] @ W_e`` for the rows ``m`` of expert ``e``, one

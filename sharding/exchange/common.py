@@ -40,7 +40,8 @@ def expert_axis(num_experts: int, axis_name: str) -> tuple[int, int, jax.Array]:
     """The expert axis's size ``D``, the experts per device ``E_l``, this device's index."""
     devices = jax.lax.axis_size(axis_name)
     if num_experts % devices:
-        raise ValueError(f"num_experts: {num_experts}, which the expert axis {axis_name!r} of {devices} devices does not divide")
+        raise ValueError(f"num_experts: {num_experts}, which the expert axis {axis_name!r} of {devices} devices "
+                         "does not divide")
     return devices, num_experts // devices, jax.lax.axis_index(axis_name)
 
 

@@ -68,7 +68,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     operands_sn = jax.lax.all_gather(operand, axis_name)  # [D (source), N, ...]
 
     def from_sources(a):  # [D * U] per sender -> what each source's updates to this device say, flat [D * U]
-        return jax.lax.all_to_all(a.astype(jnp.int32).reshape(devices, updates), axis_name, 0, 0, tiled=True).reshape(-1)
+        return jax.lax.all_to_all(a.astype(jnp.int32).reshape(devices, updates), axis_name, 0, 0,
+                                  tiled=True).reshape(-1)
 
     start_g, at_g = from_sources(input_offsets), from_sources(output_offsets)
     size_g = recv_sizes.astype(jnp.int32)  # the receiver's sizes, as the docstring's RECEIVE writes them

@@ -37,7 +37,8 @@ def padded_exchange(
     gather_per_peer = jax.vmap(segment_gather_index, in_axes=(0, 0, 0, None))
 
     def branch(per_peer: int):
-        index_dc, valid_dc = gather_per_peer(layout.send_sizes_de, layout.send_sizes_de, layout.input_offsets_de, per_peer)
+        index_dc, valid_dc = gather_per_peer(layout.send_sizes_de, layout.send_sizes_de, layout.input_offsets_de,
+                                             per_peer)
         x_dch = jnp.where(valid_dc[..., None], x_th[order_m[index_dc] // k], 0)
         x_sch = jax.lax.all_to_all(x_dch, axis_name, 0, 0, tiled=True)
         # Source s packed its rows for this device expert by expert; lay them out expert-major.
@@ -47,7 +48,8 @@ def padded_exchange(
         index_m, valid_m = segment_gather_index(recv_es, recv_es, slot_se.T.reshape(-1), devices * per_peer)
         x_mh = jnp.where(valid_m[:, None], x_sch.reshape(-1, h)[index_m], 0)
         y_mh = expert_fn(x_mh, layout.group_sizes_e)
-        index_sc, valid_sc = gather_per_peer(layout.recv_sizes_se, layout.recv_sizes_se, layout.recv_offsets_se, per_peer)
+        index_sc, valid_sc = gather_per_peer(layout.recv_sizes_se, layout.recv_sizes_se, layout.recv_offsets_se,
+                                             per_peer)
         y_sch = jnp.where(valid_sc[..., None], y_mh[index_sc], 0)
         y_dch = jax.lax.all_to_all(y_sch, axis_name, 0, 0, tiled=True)
         # Back to this device's sorted rows; rows dropped or of padding tokens stay zero.

@@ -6,8 +6,8 @@ Kimi K2) from a directory holding ``config.json`` and either ``model.safetensors
 writes the library's parameters back in the same format. Tensors of layer ``L``::
 
     model.layers.{L}.mlp.gate.weight                      router [E, H], never quantized (kept as stored)
-    model.layers.{L}.mlp.gate.e_score_correction_bias     F32/BF16/F16 [E] (topk_method noaux_tc), \
-widened to float32 exactly
+    model.layers.{L}.mlp.gate.e_score_correction_bias     F32/BF16/F16 [E] (topk_method noaux_tc),
+                                                          widened to float32 exactly
     model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.  routed expert e, NVFP4:
         weight          uint8 [N, K/2]   two E2M1 codes a byte, element 2i in the low nibble
         weight_scale    float8_e4m3fn [N, K/16]

@@ -72,9 +72,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Backend", "check_row_token", "defined_rows", "expert_mlp", "is_nvfp4", "row_experts",
-           "swiglu", "token_rows",
-           "zero_padding_rows"]
+__all__ = ["Backend", "check_row_token", "defined_rows", "expert_mlp", "is_nvfp4", "row_experts", "swiglu",
+           "token_rows", "zero_padding_rows"]
 
 
 class Backend(NamedTuple):
@@ -311,9 +310,8 @@ def _expert_mlp_fwd(backend: Backend, compute_capability: int, interpret: bool, 
 def _expert_mlp_bwd(backend: Backend, compute_capability: int, interpret: bool, quantize, residuals, dy_mh):
     del quantize  # the masters' gradient is their quantization's (straight-through)
     kernel_args = dict(compute_capability=compute_capability, interpret=interpret)
-    (x, row_token_m, token_row_tk), x_dtype, group_sizes_e, w_gate_up_k, w_down_k, \
-        (gate_up_trainable, down_trainable), h_mg = \
-        residuals
+    ((x, row_token_m, token_row_tk), x_dtype, group_sizes_e, w_gate_up_k, w_down_k,
+     (gate_up_trainable, down_trainable), h_mg) = residuals
     dy_mh = dy_mh.astype(jnp.bfloat16)
     num_rows = h_mg.shape[0]
     w_one, half_scales_m2 = _one_scale_per_expert(w_gate_up_k, group_sizes_e, num_rows)

@@ -25,6 +25,7 @@ still dequantize exactly as stored (those blocks read as zero).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -175,10 +176,9 @@ def _check_quantizable(w, name: str) -> None:
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected no zero-size dimension")
 
 
-def _check_finite(w_host: np.ndarray, name: str) -> None:
-    bad = int(w_host.size - np.count_nonzero(np.isfinite(w_host)))
-    if bad:
-        raise ValueError(f"{name}: {bad} non-finite values (NaN or Inf); NVFP4 has no encoding for them")
+def _check_finite(nonfinite: int, name: str) -> None:
+    if nonfinite:
+        raise ValueError(f"{name}: {nonfinite} non-finite values (NaN or Inf); NVFP4 has no encoding for them")
 
 
 def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
@@ -201,9 +201,11 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     drops (:func:`_round_to_e4m3`). Traced inputs
     (inside ``jit``, ``shard_map``) are quantized where the computation runs; tests check them
     bit for bit against the host's result and an independent numpy implementation of ModelOpt's
-    recipe (``tests/test_nvfp4.py``) and on a GPU (``tests/test_nvfp4_gpu.py``). Concrete inputs
-    are quantized on the host CPU, in chunks of blocks whose compiled programs every shape shares
-    (:func:`_quantize_on_host`), and the result is put back where ``w`` was.
+    recipe (``tests/test_nvfp4.py``) and on a GPU (``tests/test_nvfp4_gpu.py``). A concrete array
+    of at least :data:`DEVICE_MIN_ELEMENTS` on one accelerator is quantized there, in chunks of
+    whole matrices (:func:`_quantize_on_device`); other concrete inputs on the host CPU, in
+    chunks of blocks whose compiled programs every shape shares (:func:`_quantize_on_host`), the
+    result put back where ``w`` was. Both give the same bits.
 
     ModelOpt itself usually runs on a GPU, where PyTorch computes ``amax / 2688`` as
     ``amax * fp32(1 / 2688)``; that rounds differently from the true division used here, so a
@@ -218,10 +220,12 @@ def quantize(w: jax.Array, *, name: str = "w") -> NVFP4Tensor:
     _check_quantizable(w, name)
     if isinstance(w, jax.core.Tracer):
         return _quantize(w)
+    if quantizes_on_device(w):
+        return _quantize_on_device(w, name)
     # A numpy input goes straight to the host computation (no round trip through a device), in
     # the dtype jnp.asarray would give it (float64 is float32 without x64).
     w_host = np.asarray(w, jax.dtypes.canonicalize_dtype(w.dtype))
-    _check_finite(w_host, name)
+    _check_finite(int(w_host.size - np.count_nonzero(np.isfinite(w_host))), name)
     t = _quantize_on_host(w_host)
     # Back where w was: pinned there if w was, else uncommitted on the default device.
     if isinstance(w, jax.Array) and w.committed:
@@ -355,7 +359,9 @@ def _on_host_chunks(fn, *arrays: np.ndarray) -> list[np.ndarray]:
     for start in range(0, total, _HOST_CHUNK_BLOCKS[1]):
         pieces = [a[start:start + _HOST_CHUNK_BLOCKS[1]] for a in arrays]
         size = pieces[0].shape[0]
-        padded = [np.pad(p, [(0, _bucket(size) - size)] + [(0, 0)] * (p.ndim - 1)) for p in pieces]
+        # Only a short chunk is padded: np.pad copies even when it adds nothing.
+        padded = [p if size == _bucket(size) else np.pad(p, [(0, _bucket(size) - size)] + [(0, 0)] * (p.ndim - 1))
+                  for p in pieces]
         out = fn(*(jax.device_put(p, cpu) for p in padded))
         parts.append([np.asarray(o)[:size] for o in (out if isinstance(out, tuple) else (out,))])
     return [np.concatenate(column) for column in zip(*parts)]
@@ -378,6 +384,56 @@ def _quantize_on_host(w_host: np.ndarray) -> NVFP4Tensor:
         scales=scales.reshape(*lead, n, k // BLOCK),
         global_scale=global_bits_m.view(np.float32).reshape(lead),
     )
+
+
+#: A concrete array on an accelerator is quantized there from this many elements: below it, the
+#: host's shared programs cost less than compiling one for the shape. Above it the host pays a copy
+#: to and from the device and its own passes over the values: 48 Kimi K2-sized gate/up matrices
+#: (1.4 G elements) took 12 s of an H100 machine's host, where the device needs one compilation.
+DEVICE_MIN_ELEMENTS = 1 << 26
+#: The device path's chunks, in elements (whole matrices, at least one): the recipe's temporaries
+#: are a few times one chunk, and a chunk's count of non-finite values fits in int32.
+DEVICE_CHUNK_ELEMENTS = 1 << 28
+
+
+def quantizes_on_device(w) -> bool:
+    """Whether :func:`quantize` quantizes a concrete ``w`` on its device rather than on the host:
+    a ``jax.Array`` on one device that is not a CPU, of at least :data:`DEVICE_MIN_ELEMENTS`."""
+    if not isinstance(w, jax.Array) or w.size < DEVICE_MIN_ELEMENTS:
+        return False
+    devices = w.devices()
+    return len(devices) == 1 and next(iter(devices)).platform != "cpu"
+
+
+def _chunk_count(matrices: int, matrix_elements: int) -> int:
+    """The fewest equal chunks of whole matrices with at most :data:`DEVICE_CHUNK_ELEMENTS` each
+    (one matrix a chunk if it alone is more): equal, so that one program maps over them."""
+    most = max(1, DEVICE_CHUNK_ELEMENTS // matrix_elements)
+    return next(c for c in range(-(-matrices // most), matrices + 1) if matrices % c == 0)
+
+
+@functools.partial(jax.jit, static_argnames="chunks")
+def _quantize_chunks(w: jax.Array, *, chunks: int) -> tuple[NVFP4Tensor, jax.Array]:
+    """:func:`_quantize` of ``w [..., N, K]`` one chunk of matrices after another (``lax.map``:
+    the temporaries of one chunk at a time), and each chunk's count of non-finite values."""
+    *lead, n, k = w.shape
+    w_cmnk = w.reshape(chunks, -1, n, k)
+    t, nonfinite_c = jax.lax.map(lambda w_mnk: (_quantize(w_mnk), jnp.sum(~jnp.isfinite(w_mnk), dtype=jnp.int32)),
+                                 w_cmnk)
+    return NVFP4Tensor(packed=t.packed.reshape(*lead, n, k // 2), scales=t.scales.reshape(*lead, n, k // BLOCK),
+                       global_scale=t.global_scale.reshape(lead)), nonfinite_c
+
+
+def _quantize_on_device(w: jax.Array, name: str = "w") -> NVFP4Tensor:
+    """:func:`_quantize` of a concrete ``w [..., N, K]`` where it lives, in equal chunks of whole
+    matrices (a matrix's global scale is its own, so the chunks give the whole tensor's bits) of
+    at most :data:`DEVICE_CHUNK_ELEMENTS` where the matrices divide so; one program per shape.
+    Non-finite values are a one-line error, as on the host. The result stays on ``w``'s device,
+    committed if ``w`` was."""
+    *lead, n, k = w.shape
+    t, nonfinite_c = _quantize_chunks(w, chunks=_chunk_count(int(np.prod(lead, dtype=np.int64)), n * k))
+    _check_finite(int(np.asarray(nonfinite_c, np.int64).sum()), name)
+    return t
 
 
 def quantize_rows(x_mk: jax.Array, global_scale_m: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

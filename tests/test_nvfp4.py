@@ -432,6 +432,63 @@ def test_the_host_s_programs_do_not_grow_with_the_shapes(rng):
     assert (nvfp4._host_encode._cache_size(), nvfp4._host_block_amax._cache_size()) == programs
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+def test_the_device_path_s_chunks_give_the_hosts_bits(rng, monkeypatch, case, dtype):
+    """The path a large concrete array on an accelerator takes (here on the CPU, which runs the
+    same program): 6 matrices of 1024 elements in chunks of at most 2048 (3 chunks of 2), and 5
+    in 5 chunks of 1, equal the host's quantization and ModelOpt's, bit for bit."""
+    monkeypatch.setattr(nvfp4, "DEVICE_CHUNK_ELEMENTS", 2048)
+    for matrices in (6, 5):
+        w = random_weights(rng, case, (matrices, 16, 64)).astype(dtype)
+        on_device = nvfp4._quantize_on_device(jnp.asarray(w))
+        assert_bit_exact(on_device, nvfp4.quantize(jnp.asarray(w)), np.asarray(w, np.float32), case)
+
+
+def test_the_device_path_keeps_the_leading_axes_and_the_placement(rng, cpu_devices):
+    """No leading axis, two of them; the result on ``w``'s device, committed as ``w`` was."""
+    for shape in [(32, 64), (2, 3, 16, 32)]:
+        w = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        on_device, host = nvfp4._quantize_on_device(w), nvfp4.quantize(w)
+        assert not bit_mismatches(on_device, host) and on_device.global_scale.shape == shape[:-2]
+        assert not on_device.packed.committed
+    placed = jax.device_put(jnp.asarray(rng.standard_normal((3, 16, 32)), jnp.float32), cpu_devices[3])
+    t = nvfp4._quantize_on_device(placed)
+    assert all(a.committed and a.devices() == {cpu_devices[3]} for a in jax.tree.leaves(t))
+
+
+def test_the_device_path_s_chunks():
+    """Equal chunks of whole matrices, the fewest of at most 2**28 elements where the matrices
+    divide so (48 Kimi K2 gate/up matrices of 4096 x 7168: 9 would fit a chunk, 8 divide 48)."""
+    assert nvfp4._chunk_count(48, 4096 * 7168) == 6
+    assert nvfp4._chunk_count(48, 2048 * 7168) == 3  # 18 fit, 16 divide
+    assert nvfp4._chunk_count(384, 7168 * 2048) == 24  # 18 fit, 16 divide
+    assert nvfp4._chunk_count(7, 2**27) == 7  # 2 fit, 7 is prime
+    assert nvfp4._chunk_count(2, 2**29) == 2  # a matrix alone is more than a chunk
+    assert nvfp4._chunk_count(1, 2**20) == 1
+
+
+def test_the_device_path_names_non_finite_values_as_the_host_does(rng):
+    w = rng.standard_normal((3, 16, 32)).astype(np.float32)
+    w[1, 2, 3], w[2, 0, 0] = np.nan, -np.inf
+    messages = []
+    for quantize in (nvfp4.quantize, nvfp4._quantize_on_device):
+        with pytest.raises(ValueError, match=r"^params\['experts'\]: 2 non-finite values \(NaN or Inf\)") as error:
+            quantize(jnp.asarray(w), name="params['experts']")
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+
+
+def test_only_large_arrays_on_an_accelerator_are_quantized_there(rng, monkeypatch):
+    """NumPy input and arrays on a CPU stay on the host path at any size; below the threshold
+    every input does (the accelerator case runs in tests/test_nvfp4_gpu.py)."""
+    w = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    monkeypatch.setattr(nvfp4, "DEVICE_MIN_ELEMENTS", 1)
+    assert not nvfp4.quantizes_on_device(w) and not nvfp4.quantizes_on_device(jnp.asarray(w))
+    monkeypatch.setattr(nvfp4, "DEVICE_MIN_ELEMENTS", w.size + 1)
+    assert not nvfp4.quantizes_on_device(jnp.asarray(w))
+
+
 @pytest.mark.parametrize("case", WEIGHT_CASES)
 def test_quantize_under_shard_map_gives_the_hosts_bits(rng, cpu_devices, case):
     """Experts sharded over the 8 CPU devices (two matrices each), each device quantizing its

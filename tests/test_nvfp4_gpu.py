@@ -19,6 +19,7 @@ shows the first few. Seeds come from the ``rng`` fixture (``MOE_JAX_SEED`` repla
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -75,3 +76,24 @@ def test_the_matrices_that_failed_on_the_h200(rng, outlier):
         w[0, 7, 11] = 300.0
     traced, host = quantize_on_gpu_and_host(w)
     assert_same_bits(traced, host, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["outliers", "zero"])
+def test_a_large_array_on_the_gpu_is_quantized_there_with_the_hosts_bits(rng, monkeypatch, case):
+    """A concrete array of more than ``DEVICE_MIN_ELEMENTS`` on the GPU (6 Kimi K2 down-sized
+    matrices, 88 M elements) is quantized there, in chunks (at most 2 matrices: 3 chunks), with
+    the bits of the host's quantization of the same values; the host path is not entered, and
+    the result stays on the GPU. A NaN is the host path's one-line error."""
+    w = random_weights(rng, case, (6, 7168, 2048))
+    host = jax.tree.map(np.asarray, nvfp4.quantize(jax.device_put(w, jax.devices("cpu")[0])))
+    gpu = jax.devices("gpu")[0]
+    placed = jax.device_put(w, gpu)
+    assert nvfp4.quantizes_on_device(placed)
+    monkeypatch.setattr(nvfp4, "DEVICE_CHUNK_ELEMENTS", 2 * 7168 * 2048)
+    monkeypatch.setattr(nvfp4, "_quantize_on_host", None)  # entering the host path fails
+    on_gpu = nvfp4.quantize(placed)
+    assert all(a.devices() == {gpu} for a in jax.tree.leaves(on_gpu))
+    assert_same_bits(jax.tree.map(np.asarray, on_gpu), host, w, skip_matrices=(1,) if case == "zero" else ())
+    with pytest.raises(ValueError, match=r"^w_down: 1 non-finite values \(NaN or Inf\); NVFP4 has no encoding"):
+        nvfp4.quantize(placed.at[5, 7167, 2047].set(jnp.nan), name="w_down")

@@ -4,7 +4,9 @@
 SwiGLU (``[E, 4096, 7168]``) and the down projection (``[E, 7168, 2048]``), bf16 and NVFP4 weights:
 every candidate tile of the Triton-language kernels (``triton_lang``: ``Mode.BF16`` and
 ``Mode.W4A16``) beside the Pallas kernels, ``torch._grouped_mm`` and the dense anchor (one
-``[65536, K] x [K, N]`` matmul through XLA and through torch, the same FLOPs with no experts).
+``[65536, K] x [K, N]`` matmul through XLA and through torch, the same FLOPs with no experts); the
+NVFP4 weights also through a bf16 copy made in the same program and the bf16 kernel (``bf16 copy
++ native bf16``), which can pay at many rows per expert (``--experts 24``).
 Then the input gradients at the training shape (48 experts, 32768 rows); ``--rows 32768 --experts 48``
 sweeps the forward there too (256-row tiles beside the table's). Each candidate's output
 is first compared with the Pallas kernel's (or the table tile's) on the same inputs; a tile that
@@ -41,7 +43,7 @@ from benchmarks.grouped_gemm import (  # noqa: E402
     copy_bandwidth, group_sizes, nvfp4_bytes_per_expert, time_jax, time_torch)
 from moe_jax import nvfp4  # noqa: E402
 from pallas_kernels.grouped_matmul import run as pallas_run  # noqa: E402
-from pallas_kernels.grouped_matmul import triton_lang  # noqa: E402
+from pallas_kernels.grouped_matmul import pallas_triton, triton_lang  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import Op, prefill_tile as _p  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 7168, 2048
@@ -104,6 +106,17 @@ def quantized(w_enk):
     quantize = jax.jit(lambda v: nvfp4.quantize(v.astype(jnp.float32)))
     parts = [quantize(w_enk[i:i + 16]) for i in range(0, w_enk.shape[0], 16)]
     return jax.block_until_ready(jax.tree.map(lambda *p: jnp.concatenate(p), *parts))
+
+
+def bf16_copy(q) -> jax.Array:
+    """NVFP4 weights ``[E, N, K]`` -> bf16 ``[E, N, K]``: ``code * scale`` (exact) times each row's
+    global scale in float32, rounded to bf16: what a forward through a transient copy multiplies."""
+    e, n, half = q.packed.shape
+    scales_u8 = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+    w = pallas_triton.dequantize_copy(q.packed.reshape(e * n, half), scales_u8.reshape(e * n, half // 8))
+    global_eg = q.global_scale.reshape(e, -1)  # one per matrix, or one per gate/up half
+    global_en = jnp.repeat(global_eg, n // global_eg.shape[1], axis=1)
+    return (w.reshape(e, n, 2 * half).astype(jnp.float32) * global_en[:, :, None]).astype(jnp.bfloat16)
 
 
 def flops(rows, n_w, k) -> float:
@@ -218,6 +231,11 @@ def grouped(rows_out, args, cc, experts, rows):
             measure(rows_out, "nvfp4", projection, "pallas", "table", jax.jit(
                 lambda x, q, g: pallas_run(op, x, q, g, compute_capability=cc)), (x, q, g), work, ref, args.runs,
                 "the native table tile")
+            # The copy and the bf16 kernel as one program: at many rows per expert the copy's
+            # ~2 bytes a weight can cost less than W4A16's main loop (NOTES, section 1).
+            measure(rows_out, "nvfp4", projection, "bf16 copy + native bf16", "table", jax.jit(
+                lambda x, q, g: triton_lang.bf16_matmul(op, x, bf16_copy(q), g, compute_capability=cc)), (x, q, g),
+                work, ref, args.runs, "the native table tile")
             del q, ref
         del x
 

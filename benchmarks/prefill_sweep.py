@@ -61,10 +61,15 @@ BF16_CANDIDATES = {
 }
 NVFP4_CANDIDATES = {
     "gate_up": [None, _p(128, 64, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 64, 128, 8, 3, extra_m=64, tail_m=64),
-                _p(128, 128, 64, 8, 3, extra_m=64, tail_m=64), _p(128, 64, 256, 8, 2, extra_m=64, tail_m=64)],
+                _p(128, 128, 64, 8, 3, extra_m=64, tail_m=64), _p(128, 64, 256, 8, 2, extra_m=64, tail_m=64),
+                _p(256, 64, 64, 8, 4), _p(256, 64, 64, 8, 3)],
     "down": [None, _p(128, 128, 64, 8, 4, extra_m=64, tail_m=64), _p(128, 64, 128, 8, 4, extra_m=64, tail_m=64),
-             _p(128, 128, 128, 8, 4, extra_m=64, tail_m=64), _p(128, 256, 64, 8, 3)],
+             _p(128, 128, 128, 8, 4, extra_m=64, tail_m=64), _p(128, 256, 64, 8, 3), _p(256, 128, 64, 8, 4),
+             _p(256, 128, 64, 8, 3)],
 }
+# The 256-row tiles are BF16_MANY_ROWS_TILES' shapes with W4A16's dequantization: at many rows per
+# expert each weight tile is dequantized once per 256 rows instead of 192 (cross-compiled for SM90:
+# 205-212 registers, no spills, 106-143 KB of shared memory, m64n256k16).
 # The training shape (48 experts, 32768 rows: ~680 rows per expert, from the library's
 # BF16_MANY_ROWS_PER_EXPERT on average): the library's tile there (None: since bdd1fac its 256-row
 # tile, 256x64x64 / 256x128x64 w8 s4) and BF16_TILES' 128 + 64-row tile against other 256-row

@@ -29,6 +29,9 @@
 #             (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this tree's, alternating ROUNDS
 #             times (default 2; ~75 s a round); WEIGHTS (default "nvfp4 bf16": bf16 and frozen
 #             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
+#   many_rows the NVFP4 routed GEMMs over fewer, larger experts (65536 rows over 24, 96 and 6
+#             experts): every W4A16 candidate tile, the 256-row ones among them, and the weights
+#             through a bf16 copy and the bf16 kernel, against the dense anchor (~200 s)
 #   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
 #             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
 #             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or
@@ -38,11 +41,12 @@
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu|wgrad|layer_grads|branch) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, branch)"; exit 2 ;;
+  layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, many_rows, branch)"
+     exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: a step may run from another tree
@@ -120,6 +124,12 @@ case "$call" in
       --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
       --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
+    ;;
+  many_rows)
+    for experts in 24 96 6; do
+      step "many_rows_$experts" 120 python benchmarks/prefill_sweep.py --out "$out/experts_$experts" --runs 10 \
+        --only anchor nvfp4 --experts "$experts" --rows 65536
+    done
     ;;
   layer_grads)
     layer_grads_ab "${ROUNDS:-2}" "${WEIGHTS:-nvfp4 bf16}"

@@ -1,7 +1,13 @@
-"""benchmarks/prefill_sweep.py's page, which runs without a GPU: each row's fraction of XLA's dense
-anchor and of its byte floor, and what the weights' bytes alone allow of the anchor."""
+"""benchmarks/prefill_sweep.py's parts that run without a GPU: its page (each row's fraction of
+XLA's dense anchor and of its byte floor, and what the weights' bytes alone allow of the anchor)
+and the bf16 copy its NVFP4 weights are multiplied through in one of its rows."""
 
+import jax.numpy as jnp
+import numpy as np
 from test_benchmark_results import _load
+
+from moe_jax import nvfp4
+from pallas_kernels.grouped_matmul import reference
 
 
 def _row(group, projection, impl, ms, note=""):
@@ -31,15 +37,10 @@ def test_the_page_gives_each_row_its_fraction_of_the_anchor_and_of_its_byte_floo
     assert "| router | logits | f32 highest | table | 0.500 | 1 | - |  |" in lines
 
 
-def test_the_bf16_copy_is_each_weight_times_its_rows_global_scale():
-    import jax.numpy as jnp
-    import numpy as np
-
-    from moe_jax import nvfp4
-    from pallas_kernels.grouped_matmul import reference
-
+def test_the_bf16_copy_is_each_weight_times_its_rows_global_scale(rng):
+    """Per-matrix global scales, and gate's and up's own (the up half 1000x smaller: a scale
+    applied to the wrong half would be off by that much), against float64 within bf16's rounding."""
     bench = _load("prefill_sweep")
-    rng = np.random.default_rng()
     w = rng.standard_normal((3, 64, 128)) * np.exp(rng.uniform(-4, 4, (3, 64, 1)))
     w32 = jnp.asarray(w * np.array([1.0] * 32 + [1e-3] * 32)[:, None], jnp.float32)
     halves = nvfp4.concat_rows(nvfp4.quantize(w32[:, :32]), nvfp4.quantize(w32[:, 32:]))  # gate's and up's scales

@@ -31,7 +31,7 @@
 #             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
 #   many_rows the NVFP4 routed GEMMs over fewer, larger experts (65536 rows over 24, 96 and 6
 #             experts): every W4A16 candidate tile, the 256-row ones among them, and the weights
-#             through a bf16 copy and the bf16 kernel, against the dense anchor (~200 s)
+#             through a bf16 copy and the bf16 kernel, against the dense anchor (~250 s)
 #   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
 #             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
 #             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or

@@ -141,6 +141,18 @@ MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
 }
 
 
+# W4A16 with at least WIDE_ROWS_PER_EXPERT rows per expert on average (the training shape, 48
+# experts x 32768 rows, ~680 per expert; Mixtral-style prefill; a shared expert of 512+ tokens):
+# BF16_MANY_ROWS_TILES' 256-row shapes, each weight tile dequantized once per 256 rows rather than
+# once per 192, in m64n256k16 MMAs. Cross-compiled for SM90 (205-212 registers, no spills, 143 KB of
+# shared memory); not yet timed: tools/device_calls.sh many_rows measures them against
+# MANY_ROWS_TILES' 128 + 64-row tiles at 24, 96 and 6 experts (benchmarks/NOTES.md, section 1).
+WIDE_ROWS_PER_EXPERT = 512
+WIDE_TILES: dict[int, dict[Op, TileConfig]] = {
+    90: {Op.GATE_UP_SWIGLU: _p(256, 64, 64, 8, 4), Op.MATMUL: _p(256, 128, 64, 8, 4)},
+}
+
+
 # Between decode and prefill: more than one decode row tile per expert on average, at most two
 # (``tuning.choose_variant`` still says decode; Kimi K2 at 769-1536 tokens on one GPU). The decode
 # tile then reads and dequantizes each weight tile twice (an expert's 16-row tiles); one 32-row
@@ -675,8 +687,9 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
               compute_capability: int, tile: TileConfig | None = None, out_k_order: int = 0,
               trans_w: bool = False, gather_rows: int = 0) -> NativeSpec:
     """The launch for these shapes: the capability's tile for the variant the row count implies
-    (:func:`one_group_tile` for one group, :data:`MANY_ROWS_TILES` from
-    :data:`MANY_ROWS_PER_EXPERT` rows per expert (W4A8: :data:`W4A8_MANY_ROWS_TILES` first),
+    (:func:`one_group_tile` for one group, W4A16's :data:`WIDE_TILES` from
+    :data:`WIDE_ROWS_PER_EXPERT` rows per expert, :data:`MANY_ROWS_TILES` from
+    :data:`MANY_ROWS_PER_EXPERT` (W4A8: :data:`W4A8_MANY_ROWS_TILES` first),
     :data:`MID_TILES` between one and two decode row tiles per expert; bf16 weights:
     :data:`BF16_TILES`, or :func:`bf16_many_rows_tile`)."""
     check_capability(compute_capability)
@@ -692,7 +705,10 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     many_rows = MANY_ROWS_TILES.get(compute_capability, {})
     if mode is Mode.W4A8:
         many_rows = many_rows | W4A8_MANY_ROWS_TILES.get(compute_capability, {})
-    if tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts and op in many_rows:
+    wide = WIDE_TILES.get(compute_capability, {}) if mode is Mode.W4A16 else {}
+    if tile is None and num_rows >= WIDE_ROWS_PER_EXPERT * num_experts and op in wide:
+        tile = wide[op]
+    elif tile is None and num_rows >= MANY_ROWS_PER_EXPERT * num_experts and op in many_rows:
         tile = many_rows[op]
     elif tile is None:
         variant = tuning.choose_variant(num_rows=num_rows, num_experts=num_experts,
@@ -1297,6 +1313,6 @@ BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward
 __all__ = ["BF16_BACKEND", "BF16_MANY_ROWS_PER_EXPERT", "BF16_MANY_ROWS_TILES", "BF16_TILES", "FP8_MAX",
            "INPUT_GRAD_TILES", "InputGradSpec", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec",
            "ONE_GROUP_TILES", "W4A16_BACKEND", "W4A8_BACKEND", "W4A8_CAPABILITIES", "W4A8_MANY_ROWS_TILES",
-           "bf16_many_rows_tile", "bf16_matmul", "input_grad", "k_order", "launch", "launch_input_grad",
-           "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile", "permute_k_w4a8", "quantize_fp8_rows",
-           "run"]
+           "WIDE_ROWS_PER_EXPERT", "WIDE_TILES", "bf16_many_rows_tile", "bf16_matmul", "input_grad", "k_order",
+           "launch", "launch_input_grad", "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile",
+           "permute_k_w4a8", "quantize_fp8_rows", "run"]

@@ -120,6 +120,37 @@ def test_many_rows_per_expert_get_the_many_rows_tile_which_compiles_without_spil
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
 
 
+@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
+def test_w4a16_from_its_wide_rows_per_expert_gets_the_wide_tile_which_compiles_without_spills(op):
+    """From ``WIDE_ROWS_PER_EXPERT`` rows per expert on SM90 W4A16 takes ``WIDE_TILES``' 256-row
+    tile (one group too), below it the many-rows rule's; W4A8 keeps its own tiles. At Kimi K2's
+    shapes over 384 experts it compiles to m64n256k16 MMAs, without spills, within the shared
+    memory."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    wide = triton_lang.WIDE_TILES[90][op]
+
+    def spec(rows, experts=384, mode=triton_lang.Mode.W4A16):
+        return triton_lang.make_spec(op, mode, num_rows=rows, num_experts=experts, k=k, n_out=n_out, scale_groups=1,
+                                     compute_capability=90)
+
+    rows = triton_lang.WIDE_ROWS_PER_EXPERT * 384
+    assert spec(rows).tile.block_m == wide.block_m == 256 and spec(rows).tile.extra_m == 0
+    assert spec(rows - 1).tile.block_m == 128 and spec(rows - 1).tile.extra_m == 64
+    assert spec(triton_lang.WIDE_ROWS_PER_EXPERT, experts=1).tile.block_m == 256
+    assert spec(rows, mode=triton_lang.Mode.W4A8).tile.block_m == 128
+    one = spec(rows)
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(one),
+                                  constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
+                                  num_stages=one.tile.num_stages, name=f"native_wide_{op.value}")
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", kernel.ptx)) == {
+        "wgmma.mma_async.sync.aligned.m64n256k16"}
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
+
+
 @pytest.mark.parametrize("rows", [256, 8192 * 8], ids=["decode", "prefill"])
 def test_rows_read_by_index_compile_for_sm90_like_rows_in_order(rows):
     """The gate/up kernel that reads its rows by index (``gather_rows``, Kimi K2's shape at 384

@@ -244,6 +244,25 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_wide_tiles_at_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
+    """``WIDE_TILES``' 256-row W4A16 tiles (taken from ``WIDE_ROWS_PER_EXPERT`` rows per expert) on
+    the Kimi-size harness: 384 experts, the top expert ids (codes past 2**31 bytes), every routing,
+    NaN-poisoned outputs."""
+    cc = _capability()
+    if cc not in triton_lang.WIDE_TILES:
+        pytest.skip(f"SM{cc} has no wide tiles (W4A16 on SM{sorted(triton_lang.WIDE_TILES)})")
+    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
+    tile = triton_lang.WIDE_TILES[cc][kernel_op]
+
+    def kernel(x, w, sizes, *, compute_capability, out):
+        return triton_lang.run(kernel_op, x, w, sizes, compute_capability=compute_capability, out=out, tile=tile)
+
+    _check_top_experts(rng, record_property, f"native wide {op}", kernel, "nvfp4", (n, k), k, n_out,
+                       lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 def test_native_kimi_size_rows_read_by_index_match_float64_reference(rng, record_property, fmt):
     """The native gate/up kernel reading its rows in place by index (``row_token_m``, as the layer

@@ -32,12 +32,13 @@ CPU_CALLS, CPU_MAX_TOKENS = 500, 2048
 # tests/pallas_kernels/test_triton_lang_gpu.py). On the H200 the soak's time is compiling: each
 # bucket compiles the layer and its Triton kernels again (their tile count is a compile-time
 # constant), while its 1,000 calls take seconds. token_buckets(8192)'s ten buckets cost the GPU
-# check ~270 s of test time in the two soaks and ~200 s in the kernels' test (79698bd). These five
+# check ~270 s of test time in the two soaks and ~200 s in the kernels' test (79698bd). These six
 # of them are the fewest that give every kernel of the layer every tile its ten would (decode,
-# one group, between decode and prefill, prefill with extra rows, many rows;
+# one group, between decode and prefill, prefill with extra rows, many rows, W4A16's wide tiles
+# from 512 rows per expert;
 # test_the_soaks_buckets_reach_every_tile_... checks that), and hold every check of the soak
 # (benchmarks/NOTES.md, section 7).
-GPU_BUCKETS = (16, 64, 256, 512, MAX_TOKENS)
+GPU_BUCKETS = (16, 64, 256, 512, 2048, MAX_TOKENS)
 
 
 def test_buckets_and_padding():

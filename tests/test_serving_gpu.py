@@ -1,7 +1,8 @@
 """The serving soak of ``test_serving.py`` on one GPU, with the implementations ``auto`` picks
 there (a file of its own, so that the GPU check runs it): 1,000 bucketed calls of the NNX module
 at a layer of Kimi K2's routing (sigmoid, correction bias, one shared expert), 64 experts, up to
-8192 tokens padded to the buckets of ``test_serving.GPU_BUCKETS`` (16, 64, 256, 512 and 8192 tokens)."""
+8192 tokens padded to the buckets of ``test_serving.GPU_BUCKETS`` (16, 64, 256, 512, 2048 and 8192
+tokens)."""
 
 import jax
 import pytest

@@ -104,11 +104,11 @@ def test_native_row_paths_at_their_boundaries(rng, op):
 @pytest.mark.parametrize("op", [Op.MATMUL, Op.GATE_UP_SWIGLU], ids=lambda op: op.value)
 def test_native_at_the_serving_soaks_shapes(rng, op, experts):
     """Every bucket of ``test_serving_gpu.py``'s soak (``test_serving.GPU_BUCKETS``: 16, 64, 256,
-    512 and 8192 tokens, top-8 of 64 experts at H=1024, F=512, and its shared expert as one group
-    of all tokens), part-filled as a bucket is: each tile family (decode, one group, between
-    decode and prefill, prefill with tails and extra rows, many rows) at row counts the layer
+    512, 2048 and 8192 tokens, top-8 of 64 experts at H=1024, F=512, and its shared expert as one
+    group of all tokens), part-filled as a bucket is: each tile family (decode, one group, between
+    decode and prefill, prefill with tails and extra rows, many rows, wide) at row counts the layer
     gives it, with the unfilled rows NaN-poisoned. Each bucket is a compilation of its own (the
-    tile count is a constant of the kernel): the soak's five give every tile that
+    tile count is a constant of the kernel): the soak's six give every tile that
     ``token_buckets(8192)``'s ten would (the test below checks that)."""
     from test_serving import GPU_BUCKETS
 
@@ -128,7 +128,7 @@ def test_native_at_the_serving_soaks_shapes(rng, op, experts):
 def test_the_soaks_buckets_reach_every_tile_of_every_bucket_size(op, experts, capability):
     """The soak's buckets (``test_serving.GPU_BUCKETS``) give each op the same tiles as every
     size of ``token_buckets(8192)`` would: the GPU soak and the test above lose no tile by
-    compiling five buckets instead of ten (host logic, on the CPU)."""
+    compiling six buckets instead of ten (host logic, on the CPU)."""
     from test_serving import GPU_BUCKETS
 
     from moe_jax.serving import token_buckets

@@ -5,10 +5,12 @@ SwiGLU (``[E, 4096, 7168]``) and the down projection (``[E, 7168, 2048]``), bf16
 every candidate tile of the Triton-language kernels (``triton_lang``: ``Mode.BF16`` and
 ``Mode.W4A16``) beside the Pallas kernels, ``torch._grouped_mm`` and the dense anchor (one
 ``[65536, K] x [K, N]`` matmul through XLA and through torch, the same FLOPs with no experts); the
-NVFP4 weights also through a bf16 copy made in the same program and the bf16 kernel (``bf16 copy
-+ native bf16``), which can pay at many rows per expert (``--experts 24``).
+NVFP4 weights also through their exact bf16 copy made in the same program and the bf16 kernel
+with the global scales on its accumulators (``bf16 copy + native bf16``: ``triton_lang.dequantized_forward``'s
+products), which pays at many rows per expert (``--experts 24``).
 Then the input gradients at the training shape (48 experts, 32768 rows); ``--rows 32768 --experts 48``
-sweeps the forward there too (256-row tiles beside the table's). Each candidate's output
+sweeps the forward there too (256-row tiles beside the table's). ``--only mlp``: the NVFP4 expert
+MLP through the W4A16 kernels and through bf16 copies of its weights, as the library runs either. Each candidate's output
 is first compared with the Pallas kernel's (or the table tile's) on the same inputs; a tile that
 computes something else is recorded as wrong and never timed as a winner. Times are the median
 CUPTI kernel time over ``--runs`` calls.
@@ -20,7 +22,7 @@ alone allow of the anchor.
 
 Usage::
 
-    python benchmarks/prefill_sweep.py --out DIR [--runs 20] [--only bf16 nvfp4 dx anchor]
+    python benchmarks/prefill_sweep.py --out DIR [--runs 20] [--only bf16 nvfp4 dx anchor router mlp]
     python benchmarks/prefill_sweep.py --render DIR/prefill_sweep.json   # the page again, from the JSON
 """
 
@@ -42,8 +44,10 @@ import numpy as np  # noqa: E402
 from benchmarks.grouped_gemm import (  # noqa: E402
     copy_bandwidth, group_sizes, nvfp4_bytes_per_expert, time_jax, time_torch)
 from moe_jax import nvfp4  # noqa: E402
+from pallas_kernels.grouped_matmul import dequantized_copy  # noqa: E402
 from pallas_kernels.grouped_matmul import run as pallas_run  # noqa: E402
-from pallas_kernels.grouped_matmul import pallas_triton, triton_lang  # noqa: E402
+from pallas_kernels.grouped_matmul import triton_lang  # noqa: E402
+from pallas_kernels.grouped_matmul import tuning  # noqa: E402
 from pallas_kernels.grouped_matmul.tuning import Op, prefill_tile as _p  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 7168, 2048
@@ -111,17 +115,6 @@ def quantized(w_enk):
     quantize = jax.jit(lambda v: nvfp4.quantize(v.astype(jnp.float32)))
     parts = [quantize(w_enk[i:i + 16]) for i in range(0, w_enk.shape[0], 16)]
     return jax.block_until_ready(jax.tree.map(lambda *p: jnp.concatenate(p), *parts))
-
-
-def bf16_copy(q) -> jax.Array:
-    """NVFP4 weights ``[E, N, K]`` -> bf16 ``[E, N, K]``: ``code * scale`` (exact) times each row's
-    global scale in float32, rounded to bf16: what a forward through a transient copy multiplies."""
-    e, n, half = q.packed.shape
-    scales_u8 = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
-    w = pallas_triton.dequantize_copy(q.packed.reshape(e * n, half), scales_u8.reshape(e * n, half // 8))
-    global_eg = q.global_scale.reshape(e, -1)  # one per matrix, or one per gate/up half
-    global_en = jnp.repeat(global_eg, n // global_eg.shape[1], axis=1)
-    return (w.reshape(e, n, 2 * half).astype(jnp.float32) * global_en[:, :, None]).astype(jnp.bfloat16)
 
 
 def flops(rows, n_w, k) -> float:
@@ -236,13 +229,38 @@ def grouped(rows_out, args, cc, experts, rows):
             measure(rows_out, "nvfp4", projection, "pallas", "table", jax.jit(
                 lambda x, q, g: pallas_run(op, x, q, g, compute_capability=cc)), (x, q, g), work, ref, args.runs,
                 "the native table tile")
-            # The copy and the bf16 kernel as one program: at many rows per expert the copy's
-            # ~2 bytes a weight can cost less than W4A16's main loop (NOTES, section 1).
+            # The copy and the bf16 kernel as one program, as dequantized_forward runs them: at many
+            # rows per expert the copy's ~2.5 bytes a weight cost less than W4A16's main loop.
             measure(rows_out, "nvfp4", projection, "bf16 copy + native bf16", "table", jax.jit(
-                lambda x, q, g: triton_lang.bf16_matmul(op, x, bf16_copy(q), g, compute_capability=cc)), (x, q, g),
+                lambda x, q, g: triton_lang.bf16_matmul(op, x, dequantized_copy(q), g, compute_capability=cc,
+                                                        global_scale=q.global_scale)), (x, q, g),
                 work, ref, args.runs, "the native table tile")
             del q, ref
         del x
+
+
+def mlp(rows_out, args, cc):
+    """The NVFP4 expert MLP (fused gate/up + SwiGLU, then down) as the library runs it, over
+    ``--experts`` at ``--rows``: through the W4A16 kernels (``triton_lang.w4a16_forward``) and
+    through bf16 copies of both weights (``triton_lang.dequantized_forward``), each output against
+    the W4A16 kernels'; prints which one ``tuning.dequantize_for_forward`` takes there."""
+    experts, rows = args.experts, args.rows
+    g = jnp.asarray(group_sizes(rows, "uniform", np.random.default_rng(0), experts=experts))
+    x = jax.random.normal(jax.random.key(7), (rows, HIDDEN), jnp.bfloat16)
+    w_gate_up = quantized(bf16_weights(experts, 2 * INTERMEDIATE, HIDDEN, seed=11))
+    w_down = quantized(bf16_weights(experts, HIDDEN, INTERMEDIATE, seed=12))
+    work = flops(rows, 2 * INTERMEDIATE, HIDDEN) + flops(rows, HIDDEN, INTERMEDIATE)
+    taken = tuning.dequantize_for_forward(num_rows=rows, num_experts=experts, hidden=HIDDEN,
+                                          intermediate=INTERMEDIATE, compute_capability=cc)
+    print(f"mlp: {rows // experts} rows per expert; the library takes "
+          f"{'the bf16 copies' if taken else 'the W4A16 kernels'}", flush=True)
+    operands = (x, g, w_gate_up, w_down)
+    ref = measure(rows_out, "mlp", "gate_up+down", "w4a16 kernels", "library", jax.jit(
+        lambda x, g, a, b: triton_lang.w4a16_forward(x, g, a, b, compute_capability=cc)), operands, work, None,
+        args.runs, "")
+    measure(rows_out, "mlp", "gate_up+down", "bf16 copies + bf16 kernels", "library", jax.jit(
+        lambda x, g, a, b: triton_lang.dequantized_forward(x, g, a, b, compute_capability=cc)), operands, work, ref,
+        args.runs, "the w4a16 kernels")
 
 
 def input_grads(rows_out, args, cc):
@@ -402,6 +420,8 @@ def main() -> None:
         router(rows_out, args)
     if {"bf16", "nvfp4"} & set(args.only):
         grouped(rows_out, args, cc, args.experts, args.rows)
+    if "mlp" in args.only:
+        mlp(rows_out, args, cc)
     if "dx" in args.only:
         input_grads(rows_out, args, cc)
     (args.out / "prefill_sweep.md").write_text(markdown({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows_out]}))

@@ -29,9 +29,10 @@
 #             (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this tree's, alternating ROUNDS
 #             times (default 2; ~75 s a round); WEIGHTS (default "nvfp4 bf16": bf16 and frozen
 #             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
-#   many_rows the NVFP4 routed GEMMs over fewer, larger experts (65536 rows over 24, 96 and 6
-#             experts): every W4A16 candidate tile, the 256-row ones among them, and the weights
-#             through a bf16 copy and the bf16 kernel, against the dense anchor (~250 s)
+#   many_rows the NVFP4 expert MLP over fewer, larger experts (65536 rows over 48, 32, 24, 16, 8
+#             and 6 experts: 1365-10923 rows per expert) through the W4A16 kernels and through
+#             bf16 copies of the weights (triton_lang.dequantized_forward): where the copies pay
+#             (tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT; ~250 s)
 #   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
 #             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
 #             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or
@@ -126,9 +127,9 @@ case "$call" in
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
     ;;
   many_rows)
-    for experts in 24 96 6; do
-      step "many_rows_$experts" 120 python benchmarks/prefill_sweep.py --out "$out/experts_$experts" --runs 10 \
-        --only anchor nvfp4 --experts "$experts" --rows 65536
+    for experts in 48 32 24 16 8 6; do
+      step "many_rows_$experts" 75 python benchmarks/prefill_sweep.py --out "$out/experts_$experts" --runs 10 \
+        --only mlp --experts "$experts" --rows 65536
     done
     ;;
   layer_grads)

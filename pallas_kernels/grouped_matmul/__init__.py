@@ -61,7 +61,8 @@ from pallas_kernels.grouped_matmul.expert_mlp import Backend, expert_mlp, is_nvf
 from pallas_kernels.grouped_matmul.pallas_triton import Dequant, Order
 from pallas_kernels.grouped_matmul.tuning import Op, TileConfig, Variant, WeightFormat
 
-__all__ = ["PALLAS", "Backend", "check_weight_grad_args", "dequantized_copy_pays", "dequantized_input_grad",
+__all__ = ["PALLAS", "Backend", "check_weight_grad_args", "dequantized_copy", "dequantized_copy_pays",
+           "dequantized_input_grad",
            "expert_mlp", "gate_up_swiglu", "grouped_matmul", "grouped_matmul_input_grad", "grouped_matmul_weight_grad",
            "input_grad", "run"]
 
@@ -135,17 +136,38 @@ def dequantized_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _dequantized_input_grad_jit(compute_capability, interpret, multiply, dy_mn, weight_arrays, group_sizes_e, out):
     packed, scales_u8, global_scale = weight_arrays
-    (num_experts, n, half), m = packed.shape, dy_mn.shape[0]
+    m = dy_mn.shape[0]
     with jax.named_scope("dequantized_input_grad"):
-        w_enk = pallas_triton.dequantize_copy(packed.reshape(num_experts * n, half),
-                                              scales_u8.reshape(num_experts * n, half // 8)).reshape(num_experts, n,
-                                                                                                     2 * half)
+        w_enk = _dequantized_copy_jit(packed, scales_u8)
         scale_m = global_scale[row_experts(group_sizes_e, m)]
         dy_mn = (dy_mn.astype(jnp.float32) * scale_m[:, None]).astype(jnp.bfloat16)
         if multiply is not None:
             return multiply(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability, interpret=interpret)
         return grouped_matmul_input_grad(dy_mn, w_enk, group_sizes_e, compute_capability=compute_capability,
                                          interpret=interpret, out=out)
+
+
+def dequantized_copy(w) -> jax.Array:
+    """bf16 ``[E, N, K]``: NVFP4 weights ``w`` (``[E, N, K]``, ModelOpt's layout) dequantized
+    exactly without their global scales, ``code * scale`` (at most 6 significant bits), in one XLA
+    pass (:func:`.pallas_triton.dequantize_copy`: 2 bytes written a weight). The global scales stay
+    with ``w``: the bf16 kernels apply them to their fp32 accumulators
+    (:func:`.triton_lang.dequantized_forward`) or to ``dy`` (:func:`dequantized_input_grad`).
+    Called eagerly it still runs as one program."""
+    if not is_nvfp4(w):
+        raise ValueError(f"w: {type(w).__name__}, expected NVFP4 weights (.packed, .scales, .global_scale)")
+    num_experts, _, half = w.packed.shape if w.packed.ndim == 3 else (0, 0, 0)
+    _, (packed, scales_u8, _), _, _ = _weight_format(w, "w", Op.GATE_UP_SWIGLU, num_experts, 2 * half)
+    return _dequantized_copy_jit(packed, scales_u8)
+
+
+@jax.jit
+def _dequantized_copy_jit(packed_enj, scales_enb):
+    num_experts, n, half = packed_enj.shape
+    with jax.named_scope("dequantized_copy"):
+        return pallas_triton.dequantize_copy(packed_enj.reshape(num_experts * n, half),
+                                             scales_enb.reshape(num_experts * n, half // 8)).reshape(num_experts, n,
+                                                                                                     2 * half)
 
 
 def dequantized_copy_pays(dy_mn, w, group_sizes_e) -> bool:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.grouped_matmul import (
-    PALLAS, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
+    PALLAS, dequantized_copy, dequantized_copy_pays, dequantized_input_grad, grouped_matmul_weight_grad, pallas_triton,
 )
 from pallas_kernels.grouped_matmul import triton_launch, triton_padding_rows, triton_weight_grad, tuning
 from pallas_kernels.grouped_matmul.expert_mlp import Backend, check_row_token, num_token_rows, token_rows
@@ -141,15 +141,17 @@ MANY_ROWS_TILES: dict[int, dict[Op, TileConfig]] = {
 }
 
 
-# W4A16 with at least WIDE_ROWS_PER_EXPERT rows per expert on average (the training shape, 48
-# experts x 32768 rows, ~680 per expert; Mixtral-style prefill; a shared expert of 512+ tokens):
-# BF16_MANY_ROWS_TILES' 256-row shapes, each weight tile dequantized once per 256 rows rather than
-# once per 192, in m64n256k16 MMAs. Cross-compiled for SM90 (205-212 registers, no spills, 143 KB of
-# shared memory); not yet timed: tools/device_calls.sh many_rows measures them against
-# MANY_ROWS_TILES' 128 + 64-row tiles at 24, 96 and 6 experts (benchmarks/NOTES.md, section 1).
+# W4A16's down projection with at least WIDE_ROWS_PER_EXPERT rows per expert on average (the
+# training shape, 48 experts x 32768 rows, ~680 per expert; Mixtral-style prefill; a shared expert
+# of 512+ tokens): 256-row tiles (BF16_MANY_ROWS_TILES' shape, m64n256k16 MMAs), each weight tile
+# dequantized once per 256 rows rather than once per 192; cross-compiled for SM90 without spills.
+# On an H100 at 65536 rows of Kimi K2's down projection (results/prefill_h100/58c6118_many_rows/):
+# 3.75 ms against MANY_ROWS_TILES' 4.00 at 96 experts (683 rows each), 3.43 against 3.83 at 24,
+# 3.37 against 3.79 at 6. The gate/up's 256-row tile (256 x 64 x 64) was 3% slower at 96 experts
+# and 1-3% faster at 24 and 6: not taken.
 WIDE_ROWS_PER_EXPERT = 512
 WIDE_TILES: dict[int, dict[Op, TileConfig]] = {
-    90: {Op.GATE_UP_SWIGLU: _p(256, 64, 64, 8, 4), Op.MATMUL: _p(256, 128, 64, 8, 4)},
+    90: {Op.MATMUL: _p(256, 128, 64, 8, 3)},
 }
 
 
@@ -249,7 +251,9 @@ class NativeSpec:
     block_k: int
     block_n: int
     max_tiles: int
-    scale_groups: int = 1  # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only).
+    # Weight global scales per expert: 1, or 2 (gate's and up's; fused op only); bf16 weights 0
+    # (as they are), or 1 or 2 for an exact bf16 copy of NVFP4 weights (bf16_matmul's global_scale).
+    scale_groups: int = 1
     out_k_order: int = 0  # 0, or the block_k whose permute_k order the output's columns are written in.
     trans_w: bool = False  # BF16 only: the weight is stored [E, K, N_OUT] (an input gradient's W_e).
     gather_rows: int = 0  # W4A16 and BF16: 0, or x has this many rows and row m reads x[row_token[m]].
@@ -421,8 +425,10 @@ def _kernel(tile_expert_ptr, tile_start_ptr, tile_end_ptr, x_ptr, x_scale_ptr, x
     ``x_ptr``: W4A16 bf16 ``[M, K]``; W4A4 uint8 ``[M, K/2]`` with ``x_scale_ptr`` uint8 E4M3
     ``[M, K/16]`` and ``x_global_ptr`` float32 ``[M]`` (both unused by W4A16). ``w_ptr`` uint8
     ``[E, N_W, K/2]``, ``w_scale_ptr`` uint8 ``[E, N_W, K/16]``, ``w_global_ptr`` float32
-    ``[E, G]``; ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is the same buffer when the
-    caller passed one to write into, else a placeholder: never read). ``GATHER_ROWS > 0``
+    ``[E, G]`` (BF16: ``w_ptr`` bf16 ``[E, N_W, K]``, ``w_scale_ptr`` never read, and with
+    ``G = 0`` neither is ``w_global_ptr``); ``out_ptr`` bf16 ``[M, N_OUT]`` (``out_in_ptr`` is
+    the same buffer when the caller passed one to write into, else a placeholder: never read).
+    ``GATHER_ROWS > 0``
     (W4A16, BF16): ``x_ptr`` is ``[GATHER_ROWS, K]`` and ``row_token_ptr`` int32 ``[M]`` names the
     row of it each output row reads (the layer's tokens, never copied into expert order); else
     ``row_token_ptr`` is a placeholder, never read.
@@ -599,16 +605,20 @@ def _epilogue(acc, local_m, row_ok_m, first_row, expert, j, half_r, xg_at, w_glo
     if that is not 0."""
     # The global scales, in fp32 on the accumulator: the weight's per expert (per half),
     # W4A4 also each row's activation scale, W4A8 each row's and the 2**3 its weight operand is
-    # short of, W4A16 the 2**7 its operand is short of. BF16 weights carry no scales.
-    if not BF16:
-        if W4A4:
-            row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0)
-        elif W4A8:
-            row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0) * 8.0
-        else:
-            row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+    # short of, W4A16 the 2**7 its operand is short of. BF16 weights carry none (G = 0) unless
+    # they are NVFP4 weights' exact copy, whose global scales then apply as W4A16's do.
+    if G > 0:
         w_global_r = tl.load(w_global_ptr + expert * G + half_r * (G - 1))
-        acc = acc * w_global_r[:, None] * row_factor[None, :]
+        if BF16:
+            acc = acc * w_global_r[:, None]
+        else:
+            if W4A4:
+                row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0)
+            elif W4A8:
+                row_factor = tl.load(xg_at, mask=row_ok_m, other=0.0) * 8.0
+            else:
+                row_factor = tl.full((BLOCK_M,), 128.0, tl.float32)
+            acc = acc * w_global_r[:, None] * row_factor[None, :]
     if FUSED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         y = gate / (1.0 + tl.exp(-gate)) * up
@@ -693,6 +703,10 @@ def make_spec(op: Op, mode: Mode, *, num_rows: int, num_experts: int, k: int, n_
     :data:`MID_TILES` between one and two decode row tiles per expert; bf16 weights:
     :data:`BF16_TILES`, or :func:`bf16_many_rows_tile`)."""
     check_capability(compute_capability)
+    groups = (0, 1, 2) if mode is Mode.BF16 else (1, 2)
+    if scale_groups not in groups or (scale_groups == 2 and op is not Op.GATE_UP_SWIGLU):
+        raise ValueError(f"scale_groups: {scale_groups!r}, expected one of {groups} ({mode.name} {op.value}; 2 only "
+                         "for the fused gate/up)")
     if mode is Mode.BF16 and tile is None:
         if compute_capability not in BF16_TILES:
             raise ValueError(f"compute_capability: {compute_capability!r} has no bf16 tile configurations; known: "
@@ -943,7 +957,7 @@ def _rows_by_index(row_token_m, x_rows: int) -> tuple[int, int, jax.Array]:
 
 
 def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile: TileConfig | None = None,
-                transpose_w: bool = False, out=None, row_token_m=None) -> jax.Array:
+                transpose_w: bool = False, out=None, row_token_m=None, global_scale=None) -> jax.Array:
     """The native schedule with bf16 weights (``Mode.BF16``): ``op`` on the rows of ``x_mk``.
 
     Args:
@@ -958,6 +972,10 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
       out: optional bf16 ``[M, n_out]`` buffer the output is written into (aliased).
       row_token_m: None, or int32 ``[M]``: row ``m`` reads row ``row_token_m[m]`` of ``x_mk`` in
         place (as :func:`run`'s).
+      global_scale: None, or float32 ``[E]`` (the fused op: ``[E]`` or ``[E, 2]``, gate's and
+        up's): each expert's fp32 accumulator times its scale before SwiGLU and the bf16 rounding,
+        so that ``w``, the exact bf16 copy of NVFP4 weights (:func:`.dequantized_copy`), multiplies
+        as they do (:func:`dequantized_forward`). Not with ``transpose_w``.
 
     Raises:
       ValueError: naming the argument, for a bad shape, dtype or capability.
@@ -978,13 +996,30 @@ def bf16_matmul(op: Op, x_mk, w, group_sizes_e, *, compute_capability: int, tile
         raise ValueError(f"w: N={n_w}, expected a positive multiple of {32 if op is Op.GATE_UP_SWIGLU else 16}")
     if out is not None and (tuple(out.shape) != (m, n_out) or np.dtype(out.dtype) != np.dtype(jnp.bfloat16)):
         raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected bfloat16 {[m, n_out]}")
+    global_scale_eg = _check_global_scale(global_scale, op, num_experts, transpose_w)
     if m == 0:
         return jnp.zeros((0, n_out), jnp.bfloat16) if out is None else out
-    spec = make_spec(op, Mode.BF16, num_rows=m, num_experts=num_experts, k=k, n_out=n_out, scale_groups=1,
+    spec = make_spec(op, Mode.BF16, num_rows=m, num_experts=num_experts, k=k, n_out=n_out,
+                     scale_groups=global_scale_eg.shape[1] if global_scale is not None else 0,
                      compute_capability=compute_capability, tile=tile, trans_w=transpose_w, gather_rows=gather_rows)
     # One-element placeholders for the scales BF16 never reads keep a single kernel signature.
     u8, f32 = jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.float32)
-    return launch(spec, group_sizes_e, x_mk, u8, f32, row_token, w, u8, f32.reshape(1, 1), out)
+    return launch(spec, group_sizes_e, x_mk, u8, f32, row_token, w, u8, global_scale_eg, out)
+
+
+def _check_global_scale(global_scale, op: Op, num_experts: int, transpose_w: bool) -> jax.Array:
+    """:func:`bf16_matmul`'s ``global_scale`` as float32 ``[E, G]`` (a ``[1, 1]`` placeholder for None)."""
+    if global_scale is None:
+        return jnp.zeros((1, 1), jnp.float32)
+    shapes = [(num_experts,), (num_experts, 1)] + ([(num_experts, 2)] if op is Op.GATE_UP_SWIGLU else [])
+    found = f"{global_scale.dtype}{list(global_scale.shape)}" if hasattr(global_scale, "shape") else type(
+        global_scale).__name__
+    if transpose_w:
+        raise ValueError(f"global_scale: {found}, expected None with transpose_w (an input gradient scales dy instead)")
+    if (not hasattr(global_scale, "shape") or np.dtype(global_scale.dtype) != np.dtype(jnp.float32)
+            or tuple(global_scale.shape) not in shapes):
+        raise ValueError(f"global_scale: {found}, expected float32 of shape {' or '.join(map(str, shapes))}")
+    return global_scale.reshape(num_experts, -1)
 
 
 def k_order(op: Op, *, num_rows: int, num_experts: int, k: int, n_out: int, compute_capability: int,
@@ -1176,13 +1211,22 @@ def _w4a16_input_grad(dy_mn, w, group_sizes_e, *, compute_capability: int, inter
     return input_grad(dy_mn, w, group_sizes_e, compute_capability=compute_capability)
 
 
-def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
-                              interpret: bool, row_token_m=None) -> jax.Array:
-    """The fused gate/up + SwiGLU kernel, then the down projection, W4A16. The gate/up kernel
-    reads its rows from ``x`` by ``row_token_m`` if given (:func:`run`), and writes its output's
-    columns in the order the down kernel reads them (:func:`permute_k`, ``out_k_order``), which
-    saves a pass over the intermediate activations between them."""
-    triton_launch.not_interpreted(interpret)
+def w4a16_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                  row_token_m=None) -> jax.Array:
+    """The routed experts' MLP through the W4A16 kernels: the fused gate/up + SwiGLU kernel, then
+    the down projection. The gate/up kernel reads its rows from ``x`` by ``row_token_m`` if given
+    (:func:`run`), and writes its output's columns in the order the down kernel reads them
+    (:func:`permute_k`, ``out_k_order``), which saves a pass over the intermediate activations.
+
+    Args:
+      x_mh: bf16 ``[M, H]`` rows sorted by expert, or with ``row_token_m`` (int32 ``[M]``) ``[T, H]``
+        in any order, row ``m`` reading ``x_mh[row_token_m[m]]``.
+      group_sizes_e: int32 ``[E]``; rows past the sum are padding, left unwritten.
+      w_gate_up: NVFP4 ``[E, 2F, H]`` (global scale ``[E]`` or ``[E, 2]``); w_down: NVFP4 ``[E, H, F]``.
+
+    Returns:
+      bf16 ``[M, H]``.
+    """
     h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, _check_group_sizes(group_sizes_e))
     num_rows = num_token_rows(x_mh, row_token_m)
     order = k_order(Op.MATMUL, num_rows=num_rows, num_experts=group_sizes_e.shape[0], k=f, n_out=h,
@@ -1193,9 +1237,56 @@ def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute
                x_k_order=order)
 
 
+def dequantized_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                        row_token_m=None) -> jax.Array:
+    """:func:`w4a16_forward`'s product through one bf16 copy of each weight
+    (:func:`.dequantized_copy`: ``code * scale``, exact) and the bf16 kernels
+    (:func:`bf16_matmul`), which apply the weights' global scales to their fp32 accumulators as
+    the W4A16 kernels do: the same products, summed in another order. The copies (``6 E H F``
+    bytes) live for the call. Arguments and result as :func:`w4a16_forward`'s; a capability with
+    bf16 tiles (:data:`BF16_TILES`). :func:`_w4a16_expert_mlp_forward` takes this path where
+    :func:`.tuning.dequantize_for_forward` says so (many rows per expert).
+    """
+    num_experts = _check_group_sizes(group_sizes_e)
+    h, f, _ = _check_weights(w_down, "w_down", Op.MATMUL, num_experts)
+    _check_weights(w_gate_up, "w_gate_up", Op.GATE_UP_SWIGLU, num_experts, k=h, rows_name="w_down's N")
+    if 2 * f != w_gate_up.packed.shape[1]:
+        raise ValueError(f"w_gate_up.packed: {list(w_gate_up.packed.shape)}, expected [{num_experts}, {2 * f}, "
+                         f"{h // 2}] for w_down's K={f}")
+    with jax.named_scope("dequantized_forward"):
+        a_mf = bf16_matmul(Op.GATE_UP_SWIGLU, x_mh, dequantized_copy(w_gate_up), group_sizes_e,
+                           compute_capability=compute_capability, row_token_m=row_token_m,
+                           global_scale=w_gate_up.global_scale)
+        return bf16_matmul(Op.MATMUL, a_mf, dequantized_copy(w_down), group_sizes_e,
+                           compute_capability=compute_capability, global_scale=w_down.global_scale)
+
+
+def _w4a16_expert_mlp_forward(x_mh, group_sizes_e, w_gate_up, w_down, *, compute_capability: int,
+                              interpret: bool, row_token_m=None) -> jax.Array:
+    """:func:`dequantized_forward` where :func:`.tuning.dequantize_for_forward` says so (many rows
+    per expert), else :func:`w4a16_forward`."""
+    triton_launch.not_interpreted(interpret)
+    if _dequantize_for_forward(x_mh, group_sizes_e, w_down, compute_capability, row_token_m):
+        return dequantized_forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
+                                   row_token_m=row_token_m)
+    return w4a16_forward(x_mh, group_sizes_e, w_gate_up, w_down, compute_capability=compute_capability,
+                         row_token_m=row_token_m)
+
+
+def _dequantize_for_forward(x_mh, group_sizes_e, w_down, compute_capability: int, row_token_m) -> bool:
+    """:func:`.tuning.dequantize_for_forward` for these operands (``w_down`` ``[E, H, F]`` as stored)."""
+    packed = getattr(w_down, "packed", None)
+    if packed is None or packed.ndim != 3:
+        return False  # not NVFP4: w4a16_forward names what is wrong
+    return tuning.dequantize_for_forward(num_rows=num_token_rows(x_mh, row_token_m),
+                                         num_experts=group_sizes_e.shape[0], hidden=packed.shape[1],
+                                         intermediate=2 * packed.shape[2], compute_capability=compute_capability)
+
+
 #: These kernels, W4A16, as :func:`pallas_kernels.grouped_matmul.expert_mlp`'s backend (SM80-SM90,
-#: NVFP4 weights): the forward reads the rows by index; the input gradient at many rows per expert
-#: through one bf16 copy of the weights, multiplied as bf16 weights' is (:func:`_w4a16_input_grad`); the
+#: NVFP4 weights): the forward reads the rows by index, and at many rows per expert goes through one
+#: bf16 copy of each weight (:func:`_w4a16_expert_mlp_forward`); so does the input gradient, from fewer
+#: rows per expert, multiplied as bf16 weights' is (:func:`_w4a16_input_grad`); the
 #: weight gradient (of ``qat`` masters) is a dense product, the Pallas kernel's, the one there is;
 #: the input gradient's padding rows zeroed by a kernel that writes only them.
 W4A16_BACKEND = Backend(name="triton_lang W4A16", forward=_w4a16_expert_mlp_forward, matmul=_w4a16_matmul,
@@ -1313,6 +1404,6 @@ BF16_BACKEND = Backend(name="triton_lang BF16", forward=_bf16_expert_mlp_forward
 __all__ = ["BF16_BACKEND", "BF16_MANY_ROWS_PER_EXPERT", "BF16_MANY_ROWS_TILES", "BF16_TILES", "FP8_MAX",
            "INPUT_GRAD_TILES", "InputGradSpec", "MANY_ROWS_TILES", "Mode", "NATIVE_TILES", "NVFP4Rows", "NativeSpec",
            "ONE_GROUP_TILES", "W4A16_BACKEND", "W4A8_BACKEND", "W4A8_CAPABILITIES", "W4A8_MANY_ROWS_TILES",
-           "WIDE_ROWS_PER_EXPERT", "WIDE_TILES", "bf16_many_rows_tile", "bf16_matmul", "input_grad", "k_order",
-           "launch", "launch_input_grad", "make_input_grad_spec", "make_spec", "mode_for", "one_group_tile",
-           "permute_k_w4a8", "quantize_fp8_rows", "run"]
+           "WIDE_ROWS_PER_EXPERT", "WIDE_TILES", "bf16_many_rows_tile", "bf16_matmul", "dequantized_forward",
+           "input_grad", "k_order", "launch", "launch_input_grad", "make_input_grad_spec", "make_spec", "mode_for",
+           "one_group_tile", "permute_k_w4a8", "quantize_fp8_rows", "run", "w4a16_forward"]

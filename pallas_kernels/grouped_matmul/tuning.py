@@ -241,17 +241,39 @@ def native_weight_grad_tile(*, num_rows: int, num_experts: int, compute_capabili
 # (benchmarks/results/train_step_h200/): see :func:`dequantize_for_input_grad`.
 #: Rows per expert (on average) from which the input gradient goes through the bf16 copy.
 DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT = 256
-#: The most bytes the bf16 copy may take (beyond it, the kernels that read NVFP4 run): 48 experts
-#: of Kimi K2's gate/up (EP 8) take 2.8 GB, 96 take 5.6; all 384 on one GPU would take 22.5.
-DEQUANTIZED_INPUT_GRAD_MAX_BYTES = 6 << 30
+#: The most bytes a call's bf16 copies may take (beyond it, the kernels that read NVFP4 run): 48
+#: experts of Kimi K2's gate/up (EP 8) take 2.8 GB, 96 take 5.6; all 384 on one GPU would take 22.5.
+DEQUANTIZED_COPY_MAX_BYTES = 6 << 30
 
 
 def dequantize_for_input_grad(*, num_rows: int, num_experts: int, n: int, k: int) -> bool:
     """Whether the NVFP4 input gradient of ``[E, N, K]`` weights over ``num_rows`` rows goes
     through one bf16 copy of the weights (at least :data:`DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT`
-    rows per expert on average, a copy of at most :data:`DEQUANTIZED_INPUT_GRAD_MAX_BYTES`)."""
+    rows per expert on average, a copy of at most :data:`DEQUANTIZED_COPY_MAX_BYTES`)."""
     return (num_rows >= DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT * num_experts
-            and 2 * num_experts * n * k <= DEQUANTIZED_INPUT_GRAD_MAX_BYTES)
+            and 2 * num_experts * n * k <= DEQUANTIZED_COPY_MAX_BYTES)
+
+
+# The NVFP4 forward (the fused gate/up, then the down projection) through one bf16 copy of each
+# weight (``triton_lang.dequantized_forward``), the global scales applied to the accumulators as
+# W4A16 applies them. W4A16's main loop stays near 0.6 of the dense anchor at every group size,
+# where the bf16 kernels reach 0.8-0.85 once the groups are large (benchmarks/NOTES.md, section
+# 1), so from enough rows per expert the bf16 kernels' lead pays for the copies' pass (0.56 bytes
+# read and 2 written a weight).
+#: Rows per expert (on average), per capability with bf16 tiles, from which the NVFP4 forward
+#: goes through bf16 copies.
+DEQUANTIZED_FORWARD_ROWS_PER_EXPERT: dict[int, int] = {90: 2048}
+
+
+def dequantize_for_forward(*, num_rows: int, num_experts: int, hidden: int, intermediate: int,
+                           compute_capability: int) -> bool:
+    """Whether the NVFP4 expert MLP over ``num_rows`` rows goes through bf16 copies of its weights
+    (gate/up ``[E, 2F, H]``, down ``[E, H, F]``): on a capability of
+    :data:`DEQUANTIZED_FORWARD_ROWS_PER_EXPERT`, from its rows per expert on average, the two
+    copies (``6 E H F`` bytes) within :data:`DEQUANTIZED_COPY_MAX_BYTES`."""
+    rows = DEQUANTIZED_FORWARD_ROWS_PER_EXPERT.get(compute_capability)
+    return (rows is not None and num_rows >= rows * num_experts
+            and 6 * num_experts * hidden * intermediate <= DEQUANTIZED_COPY_MAX_BYTES)
 
 
 def weight_grad_shared_memory(config: TileConfig) -> int:

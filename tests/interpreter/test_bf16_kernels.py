@@ -28,10 +28,12 @@ def _bf16(rng, shape) -> np.ndarray:
 
 
 def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: bool = False, experts=None,
-            seed: int = 0, padding: int = 3, tokens: int = 0) -> float:
+            seed: int = 0, padding: int = 3, tokens: int = 0, scale_groups: int = 0) -> float:
     """Runs the kernel on random bf16 rows and weights; asserts and returns its relative error.
     With ``tokens``, the kernel reads its rows by index from that many token rows (the padding
-    rows' indices out of range, never read)."""
+    rows' indices out of range, never read). With ``scale_groups`` (1, or 2 for the fused op),
+    each expert's accumulator is multiplied by its global scales (per half), as for an exact bf16
+    copy of NVFP4 weights: the reference multiplies the weights' rows instead."""
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int32)
     experts = experts or len(group_sizes)
@@ -40,6 +42,10 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
     n_w = 2 * n_out if op is Op.GATE_UP_SWIGLU else n_out
     w_enk = (rng.standard_normal((experts, n_w, k)) / np.sqrt(k)).astype(ml_dtypes.bfloat16)
     stored = np.ascontiguousarray(np.swapaxes(w_enk, 1, 2)) if transpose_w else w_enk
+    # Scales far from 1 and unlike each other (per expert, per half), so that one applied to the
+    # wrong expert, half or row is far off.
+    global_eg = (2.0 ** rng.integers(-6, 4, (experts, max(scale_groups, 1)))
+                 * rng.uniform(1, 2, (experts, max(scale_groups, 1)))).astype(np.float32)
     total = int(group_sizes.sum())
     m = total + padding
     if tokens:
@@ -50,7 +56,7 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
         x_in = x = _bf16(rng, (m, k))
         row_token = np.zeros(1, np.int32)
     spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=m, num_experts=experts, k=k, n_out=n_out,
-                                 scale_groups=1, compute_capability=CC, tile=tile, trans_w=transpose_w,
+                                 scale_groups=scale_groups, compute_capability=CC, tile=tile, trans_w=transpose_w,
                                  gather_rows=tokens)
     interpreted.reset()
     out = np.full((m, n_out), np.nan, ml_dtypes.bfloat16)
@@ -60,11 +66,14 @@ def forward(op: Op, group_sizes, *, k: int, n_out: int, tile=None, transpose_w: 
                 interpreted.buffer(np.zeros(1, np.float32), "x_global (unread)"),
                 interpreted.buffer(row_token, "row_token" if tokens else "row_token (unread)"),
                 interpreted.buffer(stored, "w"), interpreted.buffer(np.zeros(1, np.uint8), "w.scales (unread)"),
-                interpreted.buffer(np.zeros((1, 1), np.float32), "w.global_scale (unread)"),
+                (interpreted.buffer(global_eg, "w.global_scale") if scale_groups
+                 else interpreted.buffer(np.zeros((1, 1), np.float32), "w.global_scale (unread)")),
                 interpreted.buffer(np.zeros(1, ml_dtypes.bfloat16), "out_in (unread)")]
     got = interpreted.launch(triton_lang.kernel_function(), spec.num_programs, buffers, out, spec.constexprs())
     starts = np.concatenate([[0], np.cumsum(group_sizes)])
-    want = np.concatenate([expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_enk[e].astype(np.float64))
+    row_scale_en = np.repeat(global_eg.astype(np.float64), n_w // global_eg.shape[1], axis=1) if scale_groups else 1.0
+    w_ref = w_enk.astype(np.float64) * (row_scale_en[:, :, None] if scale_groups else 1.0)
+    want = np.concatenate([expert(op, x[starts[e]:starts[e + 1]].astype(np.float64), w_ref[e])
                            for e in range(experts)])
     return compare(got, want, total, spec.tile)
 
@@ -116,3 +125,20 @@ def test_the_sm90_many_rows_tiles_reading_rows_by_index(op):
     block = tile.block_m
     forward(op, [1, 0, block - 1, block, block + 1, 0, 2 * block + 3], k=128, n_out=64 if op is Op.GATE_UP_SWIGLU else 128,
             tile=tile, tokens=301, seed=19)
+
+
+@pytest.mark.parametrize("op,scale_groups,tile", [
+    (Op.MATMUL, 1, None), (Op.GATE_UP_SWIGLU, 1, None), (Op.GATE_UP_SWIGLU, 2, None),
+    (Op.MATMUL, 1, "many_rows"), (Op.GATE_UP_SWIGLU, 2, "many_rows")],
+    ids=["matmul", "gate_up_swiglu", "gate_up_swiglu_own_scales", "matmul_many_rows", "gate_up_swiglu_many_rows"])
+def test_global_scales_of_an_exact_copy_of_nvfp4_weights(op, scale_groups, tile):
+    """``scale_groups`` > 0 (``bf16_matmul(global_scale=)``, ``dequantized_forward``): each
+    expert's accumulator times its global scale, or gate's and up's own before SwiGLU, in the
+    table's tiles and the many-rows tiles the copied forward takes; rows by index too."""
+    if tile == "many_rows":
+        tile = triton_lang.BF16_MANY_ROWS_TILES[CC][op, False]
+        block = tile.block_m
+        sizes = [1, 0, block - 1, block + 1, 2 * block + 3]
+    else:
+        sizes = [64, 0, 65, 128, 0, 192, 250, 1]
+    forward(op, sizes, k=128, n_out=64, tile=tile, scale_groups=scale_groups, tokens=211, seed=23)

@@ -176,6 +176,33 @@ def test_the_copy_holds_the_exact_tile_s_values(rng):
     assert np.array_equal(np.signbit(got), np.signbit(want))
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["one_global_scale", "gate_and_up_scales"])
+def test_dequantized_copy_is_each_weight_without_its_global_scale(rng, groups):
+    """``dequantized_copy(w)``: ``[E, N, K]`` bf16, each weight's ``code * scale`` exactly (the
+    float64 dequantization with the global scales set to 1), whatever the global scales; a
+    one-line error for weights that are not NVFP4 or not ``[E, N, K]``."""
+    from moe_jax.nvfp4 import NVFP4Tensor
+
+    from pallas_kernels.grouped_matmul import dequantized_copy
+
+    e, n, k = 3, 64, 128
+    w = NVFP4Tensor(packed=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
+                    scales=jnp.asarray(rng.uniform(2.0**-9, 448, (e, n, k // 16)), jnp.float8_e4m3fn),
+                    global_scale=jnp.asarray(rng.uniform(0.1, 10, (e,) if groups == 1 else (e, groups)), jnp.float32))
+    got = dequantized_copy(w)
+    assert got.dtype == jnp.bfloat16 and got.shape == (e, n, k)
+    want = reference.dequantize(np.asarray(w.packed), np.asarray(w.scales), np.ones((e,), np.float32))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32), np.float64), want)
+    with pytest.raises(ValueError, match=r"^w: ArrayImpl, expected NVFP4 weights"):
+        dequantized_copy(got)
+    flat = NVFP4Tensor(packed=w.packed[0], scales=w.scales[0], global_scale=w.global_scale)
+    with pytest.raises(ValueError, match=r"^w\.packed: uint8\[64, 64\], expected uint8 of rank 3$"):
+        dequantized_copy(flat)
+    short = NVFP4Tensor(packed=w.packed, scales=w.scales[:, :, :4], global_scale=w.global_scale)
+    with pytest.raises(ValueError, match=r"^w\.scales: shape \(3, 64, 4\), expected \(3, 64, 8\)"):
+        dequantized_copy(short)
+
+
 def test_input_grad_goes_through_a_bf16_copy_from_many_rows_per_expert():
     """The rule (:func:`tuning.dequantize_for_input_grad`) at Kimi K2's gate/up: 48 experts (EP 8)
     from 256 rows per expert; never for a copy past the budget (all 384 experts: 22.5 GB)."""
@@ -184,7 +211,7 @@ def test_input_grad_goes_through_a_bf16_copy_from_many_rows_per_expert():
     assert take(num_rows=rows * 48, num_experts=48) and take(num_rows=32768, num_experts=48)
     assert not take(num_rows=rows * 48 - 1, num_experts=48) and not take(num_rows=8192, num_experts=48)
     assert not take(num_rows=rows * 384 * 4, num_experts=384)
-    assert 2 * 384 * 4096 * 7168 > tuning.DEQUANTIZED_INPUT_GRAD_MAX_BYTES >= 2 * 96 * 4096 * 7168
+    assert 2 * 384 * 4096 * 7168 > tuning.DEQUANTIZED_COPY_MAX_BYTES >= 2 * 96 * 4096 * 7168
 
 
 @pytest.mark.parametrize("copied", [False, True])

@@ -233,17 +233,24 @@ def test_interpret_many_rows_per_expert_vjp_matches_float64_reference(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "by_index_transposed"])
+@pytest.mark.parametrize("rows", ["few_rows", "many_rows", "by_index", "by_index_transposed", "copied_by_index"])
 @pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt != "bf16"])  # the native kernels take NVFP4 only
 def test_gpu_triton_lang_forward_and_vjp_match_float64_reference(rng, fmt, rows):
     """``by_index``: the tokens' gradient by a scatter-add; ``by_index_transposed``: by each
     token's rows (``token_row_tk``, some entries naming padding rows, which the kernels leave
-    unwritten)."""
+    unwritten); ``copied_by_index``: so many rows per expert that the forward goes through bf16
+    copies of the weights (``tuning.dequantize_for_forward``), its gate/up reading rows by index."""
     triton_lang = pytest.importorskip("pallas_kernels.grouped_matmul.triton_lang", reason="needs triton")
     cc = _gpu_capability()
     if cc not in triton_lang.INPUT_GRAD_TILES:
         pytest.skip(f"SM{cc} has no W4A16 input-gradient kernel (W4A16 backward: SM80-SM90)")
     groups = _many_rows(8) if rows == "many_rows" else (150, 0, 3, 70, 1, 0, 40, 9)
+    if rows == "copied_by_index":
+        if cc not in tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT:
+            pytest.skip(f"SM{cc}'s NVFP4 forward never goes through copies (no bf16 tiles)")
+        groups = _many_rows(8, tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT[cc])
+        assert tuning.dequantize_for_forward(num_rows=sum(groups), num_experts=8, hidden=256, intermediate=128,
+                                             compute_capability=cc)
     # by_index: the gate/up kernel reads 273 rows from 61 tokens in place (row_token_m).
     by_index = rows.startswith("by_index")
     _check(rng, fmt, groups=groups, padding=37, h=256, f=128, tokens=61 if by_index else 0,

@@ -120,20 +120,19 @@ def test_many_rows_per_expert_get_the_many_rows_tile_which_compiles_without_spil
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
 
 
-@pytest.mark.parametrize("op", [Op.GATE_UP_SWIGLU, Op.MATMUL], ids=lambda op: op.value)
-def test_w4a16_from_its_wide_rows_per_expert_gets_the_wide_tile_which_compiles_without_spills(op):
-    """From ``WIDE_ROWS_PER_EXPERT`` rows per expert on SM90 W4A16 takes ``WIDE_TILES``' 256-row
-    tile (one group too), below it the many-rows rule's; W4A8 keeps its own tiles. At Kimi K2's
-    shapes over 384 experts it compiles to m64n256k16 MMAs, without spills, within the shared
-    memory."""
+def test_w4a16_down_from_its_wide_rows_per_expert_gets_the_wide_tile_which_compiles_without_spills():
+    """From ``WIDE_ROWS_PER_EXPERT`` rows per expert on SM90 W4A16's down projection takes
+    ``WIDE_TILES``' 256-row tile (one group too), below it the many-rows rule's; the fused gate/up
+    and W4A8 keep their tiles. At Kimi K2's down projection over 384 experts it compiles to
+    m64n256k16 MMAs, without spills, within the shared memory."""
     from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
 
     h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
-    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
-    wide = triton_lang.WIDE_TILES[90][op]
+    wide = triton_lang.WIDE_TILES[90][Op.MATMUL]
 
-    def spec(rows, experts=384, mode=triton_lang.Mode.W4A16):
+    def spec(rows, experts=384, mode=triton_lang.Mode.W4A16, op=Op.MATMUL):
+        k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
         return triton_lang.make_spec(op, mode, num_rows=rows, num_experts=experts, k=k, n_out=n_out, scale_groups=1,
                                      compute_capability=90)
 
@@ -142,10 +141,11 @@ def test_w4a16_from_its_wide_rows_per_expert_gets_the_wide_tile_which_compiles_w
     assert spec(rows - 1).tile.block_m == 128 and spec(rows - 1).tile.extra_m == 64
     assert spec(triton_lang.WIDE_ROWS_PER_EXPERT, experts=1).tile.block_m == 256
     assert spec(rows, mode=triton_lang.Mode.W4A8).tile.block_m == 128
+    assert spec(rows, op=Op.GATE_UP_SWIGLU).tile.block_m < 256
     one = spec(rows)
     kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(one),
                                   constexprs=one.constexprs(), capability=90, num_warps=one.tile.num_warps,
-                                  num_stages=one.tile.num_stages, name=f"native_wide_{op.value}")
+                                  num_stages=one.tile.num_stages, name="native_wide_matmul")
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", kernel.ptx)) == {
         "wgmma.mma_async.sync.aligned.m64n256k16"}
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= tuning.SHARED_MEMORY_BYTES[90]
@@ -341,7 +341,7 @@ def test_bf16_tiles_compile_to_wgmma_without_spills(op, transpose_w, rows, exper
     h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
     k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
     spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
-                                 scale_groups=1, compute_capability=90, trans_w=transpose_w,
+                                 scale_groups=0, compute_capability=90, trans_w=transpose_w,
                                  gather_rows=rows // 8 if op is Op.GATE_UP_SWIGLU else 0)
     many = rows >= triton_lang.BF16_MANY_ROWS_PER_EXPERT * experts
     assert spec.tile == (triton_lang.BF16_MANY_ROWS_TILES[90][op, transpose_w] if many else triton_lang.BF16_TILES[90][op])
@@ -354,6 +354,52 @@ def test_bf16_tiles_compile_to_wgmma_without_spills(op, transpose_w, rows, exper
     assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
 
 
+@pytest.mark.parametrize("op,scale_groups", [(Op.GATE_UP_SWIGLU, 2), (Op.MATMUL, 1)], ids=["gate_up_swiglu", "matmul"])
+def test_the_copied_forwards_kernels_compile_to_wgmma_without_spills(op, scale_groups):
+    """The bf16 kernels of ``dequantized_forward`` (exact copies of NVFP4 weights, the global
+    scales on the accumulators: gate's and up's own) at Kimi K2's projections over 24 experts
+    (65536 rows, where the copies are taken), the gate/up reading its rows by index: the
+    many-rows tiles' ``wgmma``, no spills, within the shared memory; the scales are read."""
+    from pallas_kernels import crosscompile as compiler  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    h, f = crosscompile.HIDDEN, crosscompile.INTERMEDIATE
+    k, n_out = (h, f) if op is Op.GATE_UP_SWIGLU else (f, h)
+    rows, experts = 65536, 24
+    assert tuning.dequantize_for_forward(num_rows=rows, num_experts=experts, hidden=h, intermediate=f,
+                                         compute_capability=90)
+    spec = triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=rows, num_experts=experts, k=k, n_out=n_out,
+                                 scale_groups=scale_groups, compute_capability=90,
+                                 gather_rows=rows // 8 if op is Op.GATE_UP_SWIGLU else 0)
+    assert spec.tile == triton_lang.BF16_MANY_ROWS_TILES[90][op, False]
+    kernel = compiler.compile_jit(triton_lang.kernel_function(), signature=triton_lang.signature(spec),
+                                  constexprs=spec.constexprs(), capability=90, num_warps=spec.tile.num_warps,
+                                  num_stages=spec.tile.num_stages, name=f"native_bf16_scaled_{op.value}")
+    assert set(re.findall(EXPECTED[90][1], kernel.ptx)) == {"wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"}
+    assert kernel.spill_bytes == 0 and 0 < kernel.shared_bytes <= SHARED_MEMORY_BYTES[90]
+    unscaled = compiler.compile_jit(triton_lang.kernel_function(),
+                                    signature=triton_lang.signature(spec),
+                                    constexprs=spec.constexprs() | {"G": 0}, capability=90,
+                                    num_warps=spec.tile.num_warps, num_stages=spec.tile.num_stages,
+                                    name=f"native_bf16_{op.value}")
+    # The scales' loads: one more global load than the kernel without them.
+    loads = [len(re.findall(r"ld\.global", k.ptx)) for k in (kernel, unscaled)]
+    assert loads[0] > loads[1], loads
+
+
+def test_scale_groups_are_checked_per_mode_and_op():
+    def spec(mode, op, groups):
+        return triton_lang.make_spec(op, mode, num_rows=64, num_experts=4, k=128, n_out=64, scale_groups=groups,
+                                     compute_capability=90)
+
+    assert spec(triton_lang.Mode.BF16, Op.MATMUL, 0).scale_groups == 0
+    assert spec(triton_lang.Mode.BF16, Op.GATE_UP_SWIGLU, 2).scale_groups == 2
+    for mode, op, groups in ((triton_lang.Mode.W4A16, Op.MATMUL, 0), (triton_lang.Mode.BF16, Op.MATMUL, 2),
+                             (triton_lang.Mode.W4A16, Op.GATE_UP_SWIGLU, 3)):
+        with pytest.raises(ValueError, match=rf"^scale_groups: {groups}, expected one of "):
+            spec(mode, op, groups)
+
+
 @pytest.mark.parametrize("op,transpose_w", BF16_CASES, ids=BF16_IDS)
 def test_bf16_many_rows_tiles_from_their_threshold_on_sm90_only(op, transpose_w):
     """From ``BF16_MANY_ROWS_PER_EXPERT`` rows per expert on average the many-rows tile; a row
@@ -364,7 +410,7 @@ def test_bf16_many_rows_tiles_from_their_threshold_on_sm90_only(op, transpose_w)
 
     def tile(rows, cc=90, **kwargs):
         return triton_lang.make_spec(op, triton_lang.Mode.BF16, num_rows=rows, num_experts=48, k=k, n_out=n_out,
-                                     scale_groups=1, compute_capability=cc, trans_w=transpose_w, **kwargs).tile
+                                     scale_groups=0, compute_capability=cc, trans_w=transpose_w, **kwargs).tile
 
     many = triton_lang.BF16_MANY_ROWS_TILES[90][op, transpose_w]
     assert many.block_m == 256 and not many.extra_m
@@ -388,12 +434,19 @@ def test_bf16_bad_input_gets_one_line_naming_the_argument():
          r"^transpose_w: True, expected False for the fused gate/up"),
         (dict(cc=120), r"^compute_capability: 120 has no bf16 tile configurations; known: \[90\]$"),
         (dict(out=jnp.zeros((10, 32), jnp.bfloat16)), r"^out: bfloat16\[10, 32\], expected bfloat16 \[10, 64\]$"),
+        (dict(scale=jnp.ones((4, 2), jnp.float32)),
+         r"^global_scale: float32\[4, 2\], expected float32 of shape \(4,\) or \(4, 1\)$"),
+        (dict(scale=jnp.ones((4,), jnp.bfloat16)), r"^global_scale: bfloat16\[4\], expected float32 of shape"),
+        (dict(scale=jnp.ones((3,), jnp.float32), op=Op.GATE_UP_SWIGLU),
+         r"^global_scale: float32\[3\], expected float32 of shape \(4,\) or \(4, 1\) or \(4, 2\)$"),
+        (dict(scale=jnp.ones((4,), jnp.float32), transpose_w=True, w=jnp.ones((4, 128, 64), jnp.bfloat16)),
+         r"^global_scale: float32\[4\], expected None with transpose_w"),
     ]
     for change, message in cases:
-        args = dict(op=Op.MATMUL, x=x, w=w, sizes=sizes, cc=90, out=None, transpose_w=False) | change
+        args = dict(op=Op.MATMUL, x=x, w=w, sizes=sizes, cc=90, out=None, transpose_w=False, scale=None) | change
         with pytest.raises(ValueError, match=message):
             triton_lang.bf16_matmul(args["op"], args["x"], args["w"], args["sizes"], compute_capability=args["cc"],
-                                    out=args["out"], transpose_w=args["transpose_w"])
+                                    out=args["out"], transpose_w=args["transpose_w"], global_scale=args["scale"])
     with pytest.raises(ValueError, match=r"^mode: BF16, expected W4A4 or W4A16 \(bf16 weights go through bf16_matmul\)$"):
         triton_lang.run(Op.MATMUL, x, _nvfp4(), sizes, compute_capability=90, mode=triton_lang.Mode.BF16)
 
@@ -503,3 +556,68 @@ def test_fp8_rows_are_quantized_per_row_and_permuted_as_the_tiles_read_them(rng,
     np.testing.assert_array_equal(got[ok], want.astype(np.float32)[ok][:, columns])
     assert np.abs(got[ok]).max() == 448 and (got[2] == 0).all() and np.asarray(scale)[2] == 1
     assert np.isnan(got[4]).all() or not np.isfinite(np.asarray(scale)[4])
+
+
+def _random_nvfp4(rng, e, n, k, groups=1):
+    """NVFP4 weights of random codes and E4M3 scales (positive, below 448), global scales ``[E]``
+    or ``[E, groups]``."""
+    scales = rng.uniform(0.5, 400, (e, n, k // 16)).astype(np.float32)
+    return NVFP4Tensor(packed=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
+                       scales=jnp.asarray(scales, jnp.float8_e4m3fn),
+                       global_scale=jnp.asarray(rng.uniform(0.1, 10, (e,) if groups == 1 else (e, groups)),
+                                                jnp.float32))
+
+
+@pytest.mark.parametrize("cc,rows_less,copied", [(90, 0, True), (90, 1, False), (89, 0, False)],
+                         ids=["sm90-enough_rows", "sm90-a_row_short", "sm89"])
+def test_the_w4a16_forward_goes_through_bf16_copies_from_its_rows_per_expert(monkeypatch, rng, cc, rows_less, copied):
+    """``W4A16_BACKEND.forward``: from ``tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT`` rows per expert
+    on a capability that has it, both projections launch the bf16 kernels on the exact copies
+    (``code * scale``: ``moe_jax.nvfp4.dequantize`` with the global scales set to 1) with the
+    weights' global scales (gate's and up's own); else the W4A16 kernels (host logic: the launch
+    recorded, not run)."""
+    from moe_jax import nvfp4  # noqa: PLC0415
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    launched = []
+
+    def record(spec, group_sizes_e, x, x_scales, x_global, row_token, w, scales_u8, global_scale_eg, out=None):
+        launched.append((spec, w, global_scale_eg))
+        return jnp.zeros((spec.num_rows, spec.n_out), jnp.bfloat16)
+
+    monkeypatch.setattr(triton_lang, "launch", record)
+    e, h, f = 4, 128, 64
+    per_expert = tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT[90]
+    sizes = jnp.asarray([per_expert - 3, 2 * per_expert, 0, per_expert - 5], jnp.int32)
+    w_gate_up, w_down = _random_nvfp4(rng, e, 2 * f, h, groups=2), _random_nvfp4(rng, e, h, f)
+    x = jnp.zeros((per_expert * e - rows_less, h), jnp.bfloat16)  # the rule counts padding rows too
+    y = triton_lang.W4A16_BACKEND.forward(x, sizes, w_gate_up, w_down, compute_capability=cc, interpret=False)
+    assert y.shape == x.shape and y.dtype == jnp.bfloat16
+    want_mode = triton_lang.Mode.BF16 if copied else triton_lang.Mode.W4A16
+    assert [(s.mode, s.op) for s, _, _ in launched] == [(want_mode, Op.GATE_UP_SWIGLU), (want_mode, Op.MATMUL)]
+    if not copied:
+        return
+    assert [s.scale_groups for s, _, _ in launched] == [2, 1]
+    for (_, copy, global_eg), w in zip(launched, (w_gate_up, w_down), strict=True):
+        unscaled = NVFP4Tensor(packed=w.packed, scales=w.scales, global_scale=jnp.ones(w.global_scale.shape, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(copy, np.float32), np.asarray(nvfp4.dequantize(unscaled)))
+        np.testing.assert_array_equal(np.asarray(global_eg), np.asarray(w.global_scale).reshape(e, -1))
+
+
+def test_the_copied_forwards_rule():
+    """``tuning.dequantize_for_forward``: from its rows per expert on SM90 (Mixtral 8x7B's 8
+    experts: 2.8 GB of copies), never past the copies' budget (Kimi K2's 384 experts: 33.8 GB),
+    never where no bf16 tiles are (SM89, SM120)."""
+    from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
+
+    per_expert = tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT[90]
+    assert set(tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT) <= set(triton_lang.BF16_TILES)
+
+    def take(rows, experts=8, hidden=4096, intermediate=14336, cc=90):
+        return tuning.dequantize_for_forward(num_rows=rows, num_experts=experts, hidden=hidden,
+                                             intermediate=intermediate, compute_capability=cc)
+
+    assert take(per_expert * 8) and not take(per_expert * 8 - 1)
+    assert not take(per_expert * 8, cc=89) and not take(per_expert * 8, cc=120)
+    assert not take(per_expert * 384 * 4, experts=384, hidden=7168, intermediate=2048)
+    assert 6 * 8 * 4096 * 14336 <= tuning.DEQUANTIZED_COPY_MAX_BYTES < 6 * 384 * 7168 * 2048

@@ -23,7 +23,7 @@ from test_kimi_size_gpu import F, H, _capability, _check_top_experts, expert_ref
 
 from moe_jax import nvfp4
 from moe_jax.nvfp4 import NVFP4Tensor
-from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul import dequantized_copy, reference
 from pallas_kernels.grouped_matmul.tuning import Op, Variant
 from w4a8_float64 import e4m3_round, rows_as_multiplied
 
@@ -244,21 +244,39 @@ def test_native_kimi_size_top_experts_match_float64_reference(rng, record_proper
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
-def test_native_wide_tiles_at_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
-    """``WIDE_TILES``' 256-row W4A16 tiles (taken from ``WIDE_ROWS_PER_EXPERT`` rows per expert) on
-    the Kimi-size harness: 384 experts, the top expert ids (codes past 2**31 bytes), every routing,
-    NaN-poisoned outputs."""
+def test_native_wide_tile_at_kimi_size_top_experts_matches_float64_reference(rng, record_property):
+    """``WIDE_TILES``' 256-row W4A16 down-projection tile (taken from ``WIDE_ROWS_PER_EXPERT`` rows
+    per expert) on the Kimi-size harness: 384 experts, the top expert ids (codes past 2**31
+    bytes), every routing, NaN-poisoned outputs."""
     cc = _capability()
     if cc not in triton_lang.WIDE_TILES:
         pytest.skip(f"SM{cc} has no wide tiles (W4A16 on SM{sorted(triton_lang.WIDE_TILES)})")
-    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
-    tile = triton_lang.WIDE_TILES[cc][kernel_op]
+    tile = triton_lang.WIDE_TILES[cc][Op.MATMUL]
 
     def kernel(x, w, sizes, *, compute_capability, out):
-        return triton_lang.run(kernel_op, x, w, sizes, compute_capability=compute_capability, out=out, tile=tile)
+        return triton_lang.run(Op.MATMUL, x, w, sizes, compute_capability=compute_capability, out=out, tile=tile)
 
-    _check_top_experts(rng, record_property, f"native wide {op}", kernel, "nvfp4", (n, k), k, n_out,
+    _check_top_experts(rng, record_property, "native wide down", kernel, "nvfp4", (H, F), F, H,
+                       lambda x_mk, w_nk: expert_reference("down", x_mk, w_nk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
+def test_native_bf16_through_a_copy_at_kimi_size_top_experts_matches_float64_reference(rng, record_property, op):
+    """The products of ``dequantized_forward`` (many rows per expert): the bf16 kernels on the
+    exact bf16 copy of all 384 NVFP4 experts (``dequantized_copy``: each copy past 2**31
+    elements), the global scales on the accumulators; the top expert ids, every routing,
+    NaN-poisoned outputs."""
+    cc = _capability()
+    if cc not in triton_lang.BF16_TILES:
+        pytest.skip(f"SM{cc} has no native bf16 tiles (measured on SM90 only)")
+    kernel_op, n, k, n_out = {"gate_up_swiglu": (Op.GATE_UP_SWIGLU, 2 * F, H, F), "down": (Op.MATMUL, H, F, H)}[op]
+
+    def kernel(x, w, sizes, *, compute_capability, out):
+        return triton_lang.bf16_matmul(kernel_op, x, dequantized_copy(w), sizes, compute_capability=compute_capability,
+                                       out=out, global_scale=w.global_scale)
+
+    _check_top_experts(rng, record_property, f"native bf16 copy {op}", kernel, "nvfp4", (n, k), k, n_out,
                        lambda x_mk, w_nk: expert_reference(op, x_mk, w_nk))
 
 

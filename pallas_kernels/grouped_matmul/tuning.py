@@ -259,7 +259,10 @@ def dequantize_for_input_grad(*, num_rows: int, num_experts: int, n: int, k: int
 # W4A16 applies them. W4A16's main loop stays near 0.6 of the dense anchor at every group size,
 # where the bf16 kernels reach 0.8-0.85 once the groups are large (benchmarks/NOTES.md, section
 # 1), so from enough rows per expert the bf16 kernels' lead pays for the copies' pass (0.56 bytes
-# read and 2 written a weight).
+# read and 2 written a weight). On an H100 at Kimi K2's projections, 65536 rows
+# (results/prefill_h100/f236c82_copied_forward/): 11.52 ms against the W4A16 kernels' 11.74 at 48
+# experts (1365 rows each), 10.16 against 12.03 at 32 (2048), 9.46 against 11.00 at 16, 8.73
+# against 11.56 at 6. Not yet measured on an H200, whose copies cost less.
 #: Rows per expert (on average), per capability with bf16 tiles, from which the NVFP4 forward
 #: goes through bf16 copies.
 DEQUANTIZED_FORWARD_ROWS_PER_EXPERT: dict[int, int] = {90: 2048}

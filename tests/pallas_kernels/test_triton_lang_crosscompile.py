@@ -568,6 +568,7 @@ def _random_nvfp4(rng, e, n, k, groups=1):
                                                 jnp.float32))
 
 
+@pytest.mark.gpu_check  # the copies run on the default backend; the launches are recorded, not run
 @pytest.mark.parametrize("cc,rows_less,copied", [(90, 0, True), (90, 1, False), (89, 0, False)],
                          ids=["sm90-enough_rows", "sm90-a_row_short", "sm89"])
 def test_the_w4a16_forward_goes_through_bf16_copies_from_its_rows_per_expert(monkeypatch, rng, cc, rows_less, copied):

@@ -126,13 +126,13 @@ def _tile(row_start, row_end, expert, j, x_ptr, w_ptr, w_scale_ptr, out_ptr, K: 
         if EXTRA_M > 0:
             x2_mk = tl.load(x2_at + i * BLOCK_K, mask=row_ok_x[:, None], other=0.0)
             acc2 = tl.dot(w_rk, tl.trans(x2_mk), acc2)
-    # triton_lang's epilogue as its bf16 mode runs it (no global scales: the pointers are not
-    # read), after the 2**3 the E4M3 weights were scaled down by (W4A16's operand: 2**7).
+    # triton_lang's epilogue as its bf16 mode runs it (no global scales, G = 0: the pointers are
+    # not read), after the 2**3 the E4M3 weights were scaled down by (W4A16's operand: 2**7).
     factor: tl.constexpr = 8.0 if MODE == 2 else 128.0 if MODE == 3 else 1.0
-    _epilogue(acc * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 1,
+    _epilogue(acc * factor, local_m, row_ok_m, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 0,
               FUSED, False, False, True, BLOCK_M, BLOCK_N, 0)
     if EXTRA_M > 0:
-        _epilogue(acc2 * factor, local_x, row_ok_x, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 1,
+        _epilogue(acc2 * factor, local_x, row_ok_x, first_row, expert, j, half_r, out_ptr, out_ptr, out_ptr, N_OUT, 0,
                   FUSED, False, False, True, EXTRA_M, BLOCK_N, 0)
 
 

@@ -6,14 +6,14 @@ every candidate tile of the Triton-language kernels (``triton_lang``: ``Mode.BF1
 ``Mode.W4A16``) beside the Pallas kernels, ``torch._grouped_mm`` and the dense anchor (one
 ``[65536, K] x [K, N]`` matmul through XLA and through torch, the same FLOPs with no experts); the
 NVFP4 weights also through their exact bf16 copy made in the same program and the bf16 kernel
-with the global scales on its accumulators (``bf16 copy + native bf16``: ``triton_lang.dequantized_forward``'s
-products), which pays at many rows per expert (``--experts 24``).
+with the global scales on its accumulators (``bf16 copy + native bf16``: the products of
+``triton_lang.dequantized_forward``), which pays at many rows per expert (``--experts 24``).
 Then the input gradients at the training shape (48 experts, 32768 rows); ``--rows 32768 --experts 48``
 sweeps the forward there too (256-row tiles beside the table's). ``--only mlp``: the NVFP4 expert
-MLP through the W4A16 kernels and through bf16 copies of its weights, as the library runs either. Each candidate's output
-is first compared with the Pallas kernel's (or the table tile's) on the same inputs; a tile that
-computes something else is recorded as wrong and never timed as a winner. Times are the median
-CUPTI kernel time over ``--runs`` calls.
+MLP through the W4A16 kernels and through bf16 copies of its weights, as the library runs either.
+Each candidate's output is first compared with the Pallas kernel's (or the table tile's) on the same
+inputs; a tile that computes something else is recorded as wrong and never timed as a winner. Times
+are the median CUPTI kernel time over ``--runs`` calls.
 
 Besides ``prefill_sweep.json``, the run writes ``prefill_sweep.md``: each projection's rows with
 their fraction of XLA's dense anchor and of the byte floor (every expert's weights in the row's
@@ -73,7 +73,8 @@ NVFP4_CANDIDATES = {
 }
 # The 256-row tiles are BF16_MANY_ROWS_TILES' shapes with W4A16's dequantization: at many rows per
 # expert each weight tile is dequantized once per 256 rows instead of 192 (cross-compiled for SM90:
-# 205-212 registers, no spills, 106-143 KB of shared memory, m64n256k16).
+# 205-212 registers, no spills, 106-143 KB of shared memory, m64n256k16). The down projection's
+# 3-stage one is the library's tile from 512 rows per expert since 90cff0c (triton_lang.WIDE_TILES).
 # The training shape (48 experts, 32768 rows: ~680 rows per expert, from the library's
 # BF16_MANY_ROWS_PER_EXPERT on average): the library's tile there (None: since bdd1fac its 256-row
 # tile, 256x64x64 / 256x128x64 w8 s4) and BF16_TILES' 128 + 64-row tile against other 256-row

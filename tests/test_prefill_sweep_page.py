@@ -1,7 +1,6 @@
 """benchmarks/prefill_sweep.py's part that runs without a GPU: its page (each row's fraction of
 XLA's dense anchor and of its byte floor, and what the weights' bytes alone allow of the anchor)."""
 
-import numpy as np
 from test_benchmark_results import _load
 
 

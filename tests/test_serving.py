@@ -34,8 +34,8 @@ CPU_CALLS, CPU_MAX_TOKENS = 500, 2048
 # constant), while its 1,000 calls take seconds. token_buckets(8192)'s ten buckets cost the GPU
 # check ~270 s of test time in the two soaks and ~200 s in the kernels' test (79698bd). These six
 # of them are the fewest that give every kernel of the layer every tile its ten would (decode,
-# one group, between decode and prefill, prefill with extra rows, many rows, W4A16's wide tiles
-# from 512 rows per expert;
+# one group, between decode and prefill, prefill with extra rows, many rows, W4A16's wide down
+# tile from 512 rows per expert;
 # test_the_soaks_buckets_reach_every_tile_... checks that), and hold every check of the soak
 # (benchmarks/NOTES.md, section 7).
 GPU_BUCKETS = (16, 64, 256, 512, 2048, MAX_TOKENS)

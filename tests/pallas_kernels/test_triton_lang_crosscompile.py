@@ -558,16 +558,6 @@ def test_fp8_rows_are_quantized_per_row_and_permuted_as_the_tiles_read_them(rng,
     assert np.isnan(got[4]).all() or not np.isfinite(np.asarray(scale)[4])
 
 
-def _random_nvfp4(rng, e, n, k, groups=1):
-    """NVFP4 weights of random codes and E4M3 scales (positive, below 448), global scales ``[E]``
-    or ``[E, groups]``."""
-    scales = rng.uniform(0.5, 400, (e, n, k // 16)).astype(np.float32)
-    return NVFP4Tensor(packed=jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8),
-                       scales=jnp.asarray(scales, jnp.float8_e4m3fn),
-                       global_scale=jnp.asarray(rng.uniform(0.1, 10, (e,) if groups == 1 else (e, groups)),
-                                                jnp.float32))
-
-
 @pytest.mark.gpu_check  # the copies run on the default backend; the launches are recorded, not run
 @pytest.mark.parametrize("cc,rows_less,copied", [(90, 0, True), (90, 1, False), (89, 0, False)],
                          ids=["sm90-enough_rows", "sm90-a_row_short", "sm89"])
@@ -577,6 +567,8 @@ def test_the_w4a16_forward_goes_through_bf16_copies_from_its_rows_per_expert(mon
     (``code * scale``: ``moe_jax.nvfp4.dequantize`` with the global scales set to 1) with the
     weights' global scales (gate's and up's own); else the W4A16 kernels (host logic: the launch
     recorded, not run)."""
+    from test_triton_lang_gpu import _random_nvfp4  # noqa: PLC0415
+
     from moe_jax import nvfp4  # noqa: PLC0415
     from pallas_kernels.grouped_matmul import tuning  # noqa: PLC0415
 

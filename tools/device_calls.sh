@@ -33,6 +33,11 @@
 #             and 6 experts: 1365-10923 rows per expert) through the W4A16 kernels and through
 #             bf16 copies of the weights (triton_lang.dequantized_forward): where the copies pay
 #             (tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT; ~250 s)
+#   targets   the prefill-and-training issue's required figures in one call, meant for an H200 (its
+#             targets are set on one): the routed GEMMs at 384 experts x 65536 rows against the dense
+#             anchor (bf16 and NVFP4 table tiles, torch), the Kimi K2 layer at 32, 256 and 8192 tokens
+#             (W4A16 and W4A8, torch, the floor), then the bf16 and frozen-NVFP4 training steps
+#             (48 experts x 32768 rows, torch, the anchor) in what is left (~580 s)
 #   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
 #             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
 #             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or
@@ -42,11 +47,11 @@
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|branch) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, many_rows, branch)"
+  layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, many_rows, targets, branch)"
      exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
@@ -131,6 +136,14 @@ case "$call" in
       step "many_rows_$experts" 75 python benchmarks/prefill_sweep.py --out "$out/experts_$experts" --runs 10 \
         --only mlp --experts "$experts" --rows 65536
     done
+    ;;
+  targets)
+    step prefill 200 python benchmarks/prefill_sweep.py --out "$out/prefill" --runs 10 --tables-only \
+      --only anchor bf16 nvfp4
+    step layer 190 python benchmarks/layer.py --out "$out/layer" --tokens 32 256 8192 --iters 10 \
+      --impls "nvfp4 triton" "nvfp4 triton, W4A8 at prefill (prefill_activations='fp8')"
+    step train_step 170 python benchmarks/train_step.py --out "$out/train_step" --rows 32768 --nvfp4 \
+      --xla-rows --skip-gemms --budget-s 130
     ;;
   layer_grads)
     layer_grads_ab "${ROUNDS:-2}" "${WEIGHTS:-nvfp4 bf16}"

@@ -37,7 +37,7 @@
 #             targets are set on one): the routed GEMMs at 384 experts x 65536 rows against the dense
 #             anchor (bf16 and NVFP4 table tiles, torch), the Kimi K2 layer at 32, 256 and 8192 tokens
 #             (W4A16 and W4A8, torch, the floor), then the bf16 and frozen-NVFP4 training steps
-#             (48 experts x 32768 rows, torch, the anchor) in what is left (~580 s)
+#             (48 experts x 32768 rows, torch, the anchor) (~450 s; its steps' limits 560 s)
 #   branch    a branch against main in one call: layer_grads (BASE, ROUNDS default 1; on an H100
 #             bf16 weights only unless WEIGHTS says), then tools/gpu_check.sh at this tree's
 #             commit (GIT_COMMIT) into "$out/gc" in what is left of CALL_S (default 585 s), or

@@ -37,6 +37,7 @@ import pallas_kernels.grouped_matmul as pallas_gmm
 from moe_jax import nvfp4
 from moe_jax.manual_axes import varying_alike
 from moe_jax.registry import Implementation, Registry, Target
+from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.expert_mlp import swiglu, token_rows
 from pallas_kernels.grouped_matmul.pallas_triton import group_bounds
 
@@ -367,7 +368,9 @@ def triton_expert_gemm(x_mh, group_sizes_e, weights, plan: Plan, *, row_token_m=
     Below SM100 (W4A16) the weights are dequantized in registers and bf16 tensor cores multiply:
     :func:`pallas_kernels.grouped_matmul.expert_mlp` with backend ``triton_lang.W4A16_BACKEND``,
     differentiable (the native input-gradient kernel for ``x``, frozen NVFP4 weights; under
-    ``qat`` the weight gradient of the float masters, through the Pallas kernel).
+    ``qat`` the weight gradient of the float masters, through the Pallas kernel). At many rows per
+    expert the forward and the input gradient multiply exact bf16 copies of the weights made in
+    the call instead (:func:`weight_copies` says where; the report names it).
 
     On SM100/SM120 (W4A4, inference only) each kernel's activations are quantized to NVFP4 just
     before it, one global scale per row (:func:`moe_jax.nvfp4.quantize_rows`): the checkpoint's
@@ -513,19 +516,21 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
         case "triton":
             triton_lang = _triton_lang()
             w4a4 = triton_lang.mode_for(cc) is triton_lang.Mode.W4A4
+            fp8 = config.prefill_activations == "fp8"
+            copies = "" if w4a4 else _routed_copies(config, target, forward=not fp8)
             where = (f"W4A4 on the FP4 tensor cores of SM{cc}" if w4a4
-                     else f"W4A16: triton dequantizes the weights on SM{cc}")
-            if config.prefill_activations == "fp8" and not w4a4:
+                     else f"W4A16: triton dequantizes the weights on SM{cc}{copies}")
+            if fp8 and not w4a4:
                 return (f"{config.dtype} at decode sizes (W4A16, the weights dequantized on SM{cc}); at prefill "
                         "sizes (more than two 16-row tiles per expert) E4M3 per row against its own amax, the "
                         "weights' codes times their block scales placed into E4M3, FP8 tensor cores "
-                        "(W4A8, prefill_activations='fp8'; ~4-6% from W4A16's output)")
+                        f"(W4A8, prefill_activations='fp8'; ~4-6% from W4A16's output){copies}")
         case "xla":
             w4a4 = config.reference_activations == "nvfp4"
             where = ("the reference's W4A4 mode, reference_activations='nvfp4'" if w4a4
                      else "W4A16 reference; reference_activations='nvfp4' quantizes them as W4A4 does")
         case "pallas":
-            w4a4, where = False, "W4A16: the pallas kernels dequantize the weights"
+            w4a4, where = False, f"W4A16: the pallas kernels dequantize the weights{_routed_copies(config, target)}"
         case other:
             raise ValueError(f"expert_gemm: {other!r}, expected one of {EXPERT_GEMM.names()}")
     if config.weight_format == "bf16":
@@ -546,14 +551,66 @@ def activations_report(config: MoEConfig, target: Target, expert_gemm: str) -> s
     return f"NVFP4 per row, {scale} (activation_scale={config.activation_scale!r}; {where}){shared}"
 
 
+def _size(num_bytes: int) -> str:
+    for scale, unit, digits in ((1e9, "GB", 2), (1e6, "MB", 0), (1e3, "kB", 0)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def _routed_copies(config: MoEConfig, target: Target, *, forward: bool = False) -> str:
+    """:func:`weight_copies` of the routed experts on one device (``config.num_experts`` over the
+    expert axis), as a clause of the activations' report line."""
+    copies = weight_copies(config.num_experts // target.expert_parallel, config.hidden_size,
+                           config.expert_intermediate_size, target, forward=forward)
+    return f"; {copies}" if copies else ""
+
+
+def weight_copies(num_experts: int, hidden: int, intermediate: int, target: Target, *, forward: bool,
+                  per: str = "rows per expert") -> str:
+    """Where W4A16 multiplies exact bf16 copies of NVFP4 expert weights (gate/up ``[E, 2F, H]``,
+    down ``[E, H, F]``) made each call, as ``pallas_kernels.grouped_matmul.tuning`` decides it: the
+    forward where ``forward`` (the ``triton`` kernels' W4A16) from
+    ``DEQUANTIZED_FORWARD_ROWS_PER_EXPERT`` rows per expert on the target's capability, the input
+    gradient in training from ``DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT``; a copy past
+    ``DEQUANTIZED_COPY_MAX_BYTES`` never. A clause for the report (``per`` names the rows), or ""
+    where neither applies.
+    """
+    budget, ehf = tuning.DEQUANTIZED_COPY_MAX_BYTES, num_experts * hidden * intermediate
+    taken, refused = [], []
+    rows = tuning.DEQUANTIZED_FORWARD_ROWS_PER_EXPERT.get(target.compute_capability)
+    if forward and rows is not None:
+        both = 6 * ehf  # gate/up's copy and down's, alive together
+        if both <= budget:
+            taken.append(f"the forward from {rows} {per} ({_size(both)})")
+        else:
+            refused.append(f"the forward's {_size(both)}")
+    if target.training:
+        copies = {"gate/up": 4 * ehf, "down": 2 * ehf}  # one at a time, each projection's own
+        fits = [size for size in copies.values() if size <= budget]
+        start = f"from {tuning.DEQUANTIZED_INPUT_GRAD_ROWS_PER_EXPERT} {per}"
+        if len(fits) == len(copies):
+            taken.append(f"the input gradient {start} ({' + '.join(map(_size, fits))})")
+        elif fits:  # down's copy is half gate/up's
+            taken.append(f"down's input gradient {start} ({_size(fits[0])})")
+            refused.append(f"gate/up's input gradient's {_size(copies['gate/up'])}")
+        else:
+            refused.append(f"the input gradient's {' + '.join(map(_size, copies.values()))}")
+    return "; ".join(
+        ([f"exact bf16 copies of the weights made each call: {', '.join(taken)}"] if taken else [])
+        + ([f"bf16 copies would exceed the {budget / 2**30:g} GiB budget: {', '.join(refused)}"] if refused else []))
+
+
 #: Per implementation, the most tokens per device for which NVFP4 shared-expert weights go
 #: through the routed experts' W4A16 kernels (one group holding every token), read as stored at
-#: 4.5 bits a weight; None: at every size. Above it they are dequantized once per call and
-#: multiplied by XLA's bf16 GEMM. On one H200 (Kimi K2's shared expert, 8192 tokens) the
-#: ``triton`` kernels took 1.45 ms for it in a 20-call profile under the board's power cap,
-#: against 1.51 ms for the dequantization (0.60 ms) and cuBLAS (0.91 ms) at boost clocks
-#: (benchmarks/NOTES.md, "The shared expert at every size"); the Pallas kernels' prefill rate is
-#: below cuBLAS's by more than the dequantization costs above 1024 tokens.
+#: 4.5 bits a weight but where the kernels' own rule multiplies exact bf16 copies
+#: (:func:`weight_copies`; on an H100 the ``triton`` forward's copies from 2048 tokens are 24-28%
+#: faster, benchmarks/results/prefill_h100/13e8e4a_shared_expert/); None: at every size. Above it
+#: they are dequantized once per call and multiplied by XLA's bf16 GEMM. On one H200 (Kimi K2's
+#: shared expert, 8192 tokens) the ``triton`` kernels took 1.45 ms for it in a 20-call profile
+#: under the board's power cap, against 1.51 ms for the dequantization (0.60 ms) and cuBLAS (0.91
+#: ms) at boost clocks (benchmarks/NOTES.md, "The shared expert at every size"); the Pallas
+#: kernels' prefill rate is below cuBLAS's by more than the dequantization costs above 1024 tokens.
 SHARED_KERNEL_MAX_TOKENS = {"triton": None, "pallas": 1024}
 
 
@@ -583,9 +640,13 @@ def shared_expert_plan(config: MoEConfig, target: Target, expert_gemm: str) -> t
     through = f"NVFP4 weights through the {expert_gemm} kernels as one group, read as stored"
     if config.prefill_activations == "fp8":
         through += " (W4A8 at prefill sizes, as the routed experts)"
+    copies = weight_copies(1, config.hidden_size, config.shared_size, target,
+                           forward=expert_gemm == "triton" and config.prefill_activations != "fp8",
+                           per="tokens per device")
     if limit is None:
-        return None, f"{through}, at every size (never dequantized)"
-    return limit, f"{through}, up to {limit} tokens per device; above, {dense}"
+        return None, f"{through}, at every size; {copies}" if copies else f"{through}, at every size (never dequantized)"
+    copies = f"; {copies}" if copies else ""
+    return limit, f"{through}, up to {limit} tokens per device{copies}; above, {dense}"
 
 
 def shared_expert_mlp(x_th, w_gate_up_gh, w_down_hs, plan: Plan) -> jax.Array:

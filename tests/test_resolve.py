@@ -13,6 +13,7 @@ import moe_jax
 from moe_jax import EXCHANGE, EXPERT_GEMM, MoEConfig, ResolutionError, resolve
 from moe_jax.plan import EXCHANGE_STAGE, EXPERT_GEMM_STAGE
 from moe_jax.resolve import compute_capability, stages
+from pallas_kernels.grouped_matmul import tuning
 
 SMALL = dict(num_experts=8, top_k=2, hidden_size=32, expert_intermediate_size=16)
 RTX_PRO_6000 = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
@@ -144,7 +145,8 @@ def test_the_chosen_line_says_why_the_preferred_implementation_is_not_what_runs(
                              "where the params carry them (gate/up: the larger), else dynamic per row "
                              "(activation_scale='auto'; W4A4 on the FP4 tensor cores of SM120)"),
     ("NVIDIA B200", "triton", "(activation_scale='auto'; W4A4 on the FP4 tensor cores of SM100)"),
-    ("NVIDIA H200", "triton", "bfloat16, not quantized (W4A16: triton dequantizes the weights on SM90); "
+    ("NVIDIA H200", "triton", "bfloat16, not quantized (W4A16: triton dequantizes the weights on SM90; exact bf16 "
+                              "copies of the weights made each call: the forward from 2048 rows per expert (197 kB)); "
                               "activation_scale='auto' has no effect"),
     (RTX_PRO_6000, "pallas", "bfloat16, not quantized (W4A16: the pallas kernels dequantize the weights)"),
 ])
@@ -159,9 +161,56 @@ def test_the_report_says_where_activations_are_quantized_and_against_which_scale
     assert bf16 == "  activations: bfloat16, not quantized (bf16 weights); activation_scale='checkpoint' has no effect"
 
 
+KIMI_PROJECTIONS = dict(hidden_size=7168, expert_intermediate_size=2048)
+
+
+@pytest.mark.parametrize("kind, expert_gemm, experts, ep, training, expected", [
+    # 8 experts of Kimi K2's projections, Mixtral-style: 6 * 8 * 7168 * 2048 bytes both copies, 4/6 and 2/6 of it
+    # the input gradient's (one projection at a time)
+    ("NVIDIA H200", "triton", 8, 1, False, "on SM90; exact bf16 copies of the weights made each call: the forward from "
+                                           "2048 rows per expert (705 MB))"),
+    ("NVIDIA H200", "triton", 8, 1, True, "the forward from 2048 rows per expert (705 MB), the input gradient from 256 "
+                                          "rows per expert (470 MB + 235 MB))"),
+    # the Pallas kernels make no copies for the forward
+    ("NVIDIA A100-SXM4-80GB", "pallas", 8, 1, True, "the pallas kernels dequantize the weights; exact bf16 copies of the "
+                                                    "weights made each call: the input gradient from 256 rows per expert "
+                                                    "(470 MB + 235 MB))"),
+    ("NVIDIA A100-SXM4-80GB", "pallas", 8, 1, False, "the pallas kernels dequantize the weights); "),
+    # all of Kimi K2's 384 experts on one GPU: every copy past the 6 GiB budget
+    ("NVIDIA H200", "triton", 384, 1, True, "on SM90; bf16 copies would exceed the 6 GiB budget: the forward's 33.82 GB, "
+                                            "the input gradient's 22.55 GB + 11.27 GB)"),
+    # 128 experts: down's copy (3.76 GB) within the budget, gate/up's (7.52 GB) and both together (11.27 GB) past it
+    ("NVIDIA H200", "triton", 128, 1, True, "exact bf16 copies of the weights made each call: down's input gradient from "
+                                            "256 rows per expert (3.76 GB); bf16 copies would exceed the 6 GiB budget: "
+                                            "the forward's 11.27 GB, gate/up's input gradient's 7.52 GB)"),
+    # Kimi K2 over an expert axis of 8: 48 experts a device
+    ("NVIDIA H200", "triton", 384, 8, False, "the forward from 2048 rows per expert (4.23 GB))"),
+])
+def test_the_report_says_where_nvfp4_weights_are_copied_to_bf16(kind, expert_gemm, experts, ep, training, expected):
+    if expert_gemm == "triton" and importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("the triton implementation needs jax-triton installed to resolve")
+    config = MoEConfig(num_experts=experts, top_k=8, **KIMI_PROJECTIONS, weight_format="nvfp4", expert_gemm=expert_gemm)
+    plan = resolve(config, abstract_mesh(kind, ep), training=training)
+    line = plan.report.splitlines()[-1]
+    assert line.startswith("  activations: ") and expected in line, line
+    # What the line says is what the kernels' dispatch rules decide at the sizes it names.
+    local, h, f = experts // ep, KIMI_PROJECTIONS["hidden_size"], KIMI_PROJECTIONS["expert_intermediate_size"]
+    forward = expert_gemm == "triton" and tuning.dequantize_for_forward(
+        num_rows=2048 * local, num_experts=local, hidden=h, intermediate=f, compute_capability=plan.target.compute_capability)
+    assert ("the forward from 2048 rows per expert" in line) == forward, line
+    grads = {name: training and tuning.dequantize_for_input_grad(num_rows=256 * local, num_experts=local, n=n, k=k)
+             for name, n, k in (("gate/up", 2 * f, h), ("down", h, f))}
+    says = "the input gradient from 256" in line, "down's input gradient from 256" in line
+    assert says == (all(grads.values()), grads["down"] and not grads["gate/up"]), line
+
+
 @pytest.mark.parametrize("kind, expert_gemm, config_args, expected", [
     ("NVIDIA H200", "triton", {}, "NVFP4 weights through the triton kernels as one group, read as stored, at every "
-                                  "size (never dequantized)"),
+                                  "size; exact bf16 copies of the weights made each call: the forward from 2048 tokens "
+                                  "per device (25 kB)"),
+    ("NVIDIA H200", "triton", {"prefill_activations": "fp8"}, "NVFP4 weights through the triton kernels as one group, "
+                                                              "read as stored (W4A8 at prefill sizes, as the routed "
+                                                              "experts), at every size (never dequantized)"),
     (RTX_PRO_6000, "pallas", {}, "NVFP4 weights through the pallas kernels as one group, read as stored, up to 1024 "
                                  "tokens per device; above, NVFP4 weights dequantized every call, then an XLA dot"),
     (RTX_PRO_6000, "triton", {}, "NVFP4 weights dequantized every call, then an XLA dot in bfloat16 (triton quantizes "

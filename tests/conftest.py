@@ -76,12 +76,64 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {gpus}"))
 
 
+# The tests marked large_gpu_memory on one xdist worker, one after another. A worker's GPU allocator
+# keeps what it once held, so two of them on two workers of one 80 GB card run out of memory (seven
+# did in one GPU check on an H100). xdist's own groups (``xdist_group``, --dist loadgroup) rename the
+# tests they hold, and with pytest 9 not even that; so under --dist loadgroup the controller gives
+# its workers a file (pytest_configure_node), each worker writes the marked tests' ids into it as
+# it finishes collecting, and the scheduler, made once every worker has, reads it.
+_LARGE_GPU_MEMORY_IDS = "moe_jax_large_gpu_memory_ids"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, for each worker: where the large_gpu_memory test ids go."""
+    if node.config.getoption("dist") == "loadgroup":
+        if not hasattr(node.config, "_moe_jax_large_ids"):
+            directory = tempfile.mkdtemp(prefix="moe-jax-large-gpu-memory-")
+            node.config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+            node.config._moe_jax_large_ids = os.path.join(directory, "ids.txt")
+        node.workerinput[_LARGE_GPU_MEMORY_IDS] = node.config._moe_jax_large_ids
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under --dist loadgroup: xdist's group scheduling with the large_gpu_memory tests as one
+    more group (each other test its own unit of work; xdist sends the largest group first)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling  # noqa: PLC0415 (xdist is optional)
+
+    path = getattr(config, "_moe_jax_large_ids", None)
+
+    class LargeGpuMemoryTogether(LoadGroupScheduling):
+        _large = None
+
+        def _split_scope(self, nodeid):
+            if self._large is None:  # read once every worker has collected (and written it)
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        self._large = set(f.read().split("\n")) - {""}
+                except (OSError, TypeError):
+                    self._large = set()
+            return "large_gpu_memory" if nodeid in self._large else super()._split_scope(nodeid)
+
+    return LargeGpuMemoryTogether(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist tells the controller that collection is done
 def pytest_collection_finish(session):
     """With MOE_JAX_COLLECTED_IDS=PATH, write the ids of the tests this run will run (after -m and
     -k), one a line: tools/gpu_check.sh gets them as the run starts, so a pass its time limit cuts
     off still says what it did not reach, and a continuation runs the rest of the same list
     (whatever optional packages its own collection would see). Under xdist every worker collects
     the same list (xdist checks that); the first writes it."""
+    large_ids = getattr(session.config, "workerinput", {}).get(_LARGE_GPU_MEMORY_IDS)
+    if large_ids:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        with open(f"{large_ids}.{worker}", "w", encoding="utf-8") as f:
+            f.writelines(f"{item.nodeid}\n" for item in session.items if item.get_closest_marker("large_gpu_memory"))
+        os.replace(f"{large_ids}.{worker}", large_ids)  # every worker collected the same tests
     path = os.environ.get("MOE_JAX_COLLECTED_IDS")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     xdist_controller = worker is None and (session.config.getoption("numprocesses", None) or 0) != 0

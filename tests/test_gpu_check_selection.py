@@ -108,3 +108,23 @@ def test_the_default_backend_suites_run_whole_on_the_gpu(collected, suite):
     float32 matmuls decide the experts) have no GPU twin: every test of theirs runs there."""
     rows = [row for row in collected if row["id"].startswith(f"{suite}::")]
     assert rows and all(row["selected"] for row in rows)
+
+
+def test_the_large_gpu_memory_tests_run_on_one_worker():
+    """Under the script's ``--dist loadgroup`` (tests/conftest.py's scheduler), the tests marked
+    ``large_gpu_memory`` all go to one xdist worker and the rest are shared out: two of them on two
+    workers of one 80 GB card run out of memory. On this machine they are skipped, and the workers
+    they went to are what is checked."""
+    pytest.importorskip("xdist")
+    assert re.search(r"pytest_opts\+=\(-n \"\$workers\" --dist loadgroup\)", SCRIPT)
+    files = ["tests/pallas_kernels/test_kimi_size_gpu.py", "tests/pallas_kernels/test_triton_lang_gpu.py"]
+    marked = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--collect-only",
+                             "-m", "large_gpu_memory", *files], cwd=ROOT, capture_output=True, text=True, check=True)
+    large = {line for line in marked.stdout.splitlines() if "::" in line}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-n", "2", "--dist",
+                          "loadgroup", "-m", "gpu or gpu_check", *files], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    worker_of = {test: worker for worker, test in re.findall(r"^\[(gw\d+)\] \[ *\d+%\] \w+ (\S+)", run.stdout, re.M)}
+    assert len(large) >= 10 and large <= worker_of.keys(), sorted(large - worker_of.keys())[:3]
+    assert len({worker_of[t] for t in large}) == 1, sorted((worker_of[t], t) for t in large)
+    assert len(set(worker_of.values())) == 2, "one worker ran everything: the check says nothing"

@@ -174,7 +174,8 @@ finish_demo() {
 
 # --- pytest passes -------------------------------------------------------------------------
 pytest_opts=(-p no:cacheprovider -q --tb=short -o junit_family=xunit1 -o junit_logging=no)
-if [[ "$workers" != 0 ]]; then pytest_opts+=(-n "$workers"); fi
+# loadgroup: the tests marked large_gpu_memory run on one worker (tests/conftest.py).
+if [[ "$workers" != 0 ]]; then pytest_opts+=(-n "$workers" --dist loadgroup); fi
 blas_threads=${GPU_CHECK_BLAS_THREADS:-$(max 1 $(( $(nproc) / $(max 1 "$workers") )))}
 blas_env=()
 if [[ "$blas_threads" != 0 ]]; then blas_env=(OPENBLAS_NUM_THREADS="$blas_threads" OMP_NUM_THREADS="$blas_threads"); fi

@@ -126,7 +126,7 @@ def expert_reference(op: str, x_mk: np.ndarray, w_nk: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=pytest.mark.large_gpu_memory), "nvfp4"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op, fmt):
     kernel, n, k, n_out = OPS[op]
@@ -135,7 +135,7 @@ def test_kimi_size_top_experts_match_float64_reference(rng, record_property, op,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=pytest.mark.large_gpu_memory), "nvfp4"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_kimi_size_input_grad_top_experts_match_float64_reference(rng, record_property, op, fmt):
     """The backward pass's ``dy @ W_e``, reading the same stored weights (NVFP4 down codes past
@@ -146,6 +146,7 @@ def test_kimi_size_input_grad_top_experts_match_float64_reference(rng, record_pr
 
 
 @pytest.mark.gpu
+@pytest.mark.large_gpu_memory
 @pytest.mark.parametrize("op", list(OPS))
 def test_kimi_size_dequantized_input_grad_top_experts_match_float64_reference(rng, record_property, op):
     """The NVFP4 input gradient through one bf16 copy of the weights (``dequantized_input_grad``,
@@ -229,6 +230,7 @@ def _native_weight_grad(x, dy, sizes, **kwargs):
 
 
 @pytest.mark.gpu
+@pytest.mark.large_gpu_memory
 @pytest.mark.parametrize("kernel", [grouped_matmul_weight_grad, _native_weight_grad], ids=["pallas", "triton"])
 def test_kimi_size_weight_grad_top_experts_match_float64_reference(rng, record_property, kernel):
     """``dy_e^T @ x_e`` into a NaN-poisoned bf16 ``[384, H, F]`` (5.6e9 elements, past 2**31):
@@ -267,6 +269,7 @@ def test_kimi_size_weight_grad_top_experts_match_float64_reference(rng, record_p
 
 
 @pytest.mark.gpu
+@pytest.mark.large_gpu_memory
 @pytest.mark.parametrize("kernel", [grouped_matmul_weight_grad, _native_weight_grad], ids=["pallas", "triton"])
 def test_kimi_size_weight_grad_a_non_finite_row_reaches_its_own_expert_only(rng, kernel):
     """384 experts of 0 to ~40 rows (one of 1 row, the last of 65), an infinity in the row right

@@ -261,6 +261,7 @@ def test_native_wide_tile_at_kimi_size_top_experts_matches_float64_reference(rng
 
 
 @pytest.mark.gpu
+@pytest.mark.large_gpu_memory
 @pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
 def test_native_bf16_through_a_copy_at_kimi_size_top_experts_matches_float64_reference(rng, record_property, op):
     """The products of ``dequantized_forward`` (many rows per expert): the bf16 kernels on the
@@ -281,7 +282,7 @@ def test_native_bf16_through_a_copy_at_kimi_size_top_experts_matches_float64_ref
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("bf16", marks=pytest.mark.large_gpu_memory)])
 def test_native_kimi_size_rows_read_by_index_match_float64_reference(rng, record_property, fmt):
     """The native gate/up kernel reading its rows in place by index (``row_token_m``, as the layer
     calls it), W4A16 and bf16: the tokens are the rows in a random order, so every row's index is
@@ -403,6 +404,7 @@ def test_native_bf16_row_paths_at_their_boundaries(rng, op, transpose_w, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.large_gpu_memory
 @pytest.mark.parametrize("op", ["gate_up_swiglu", "down"])
 def test_native_bf16_kimi_size_top_experts_match_float64_reference(rng, record_property, op):
     """384 experts of Kimi K2's bf16 projections (the down weights end past 2**33 bytes), the top

@@ -147,6 +147,13 @@ def profile(fn, args, calls: int, keep: pathlib.Path | None) -> tuple[list[dict]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _shared_kernel_limit(limit) -> str:
+    """``Plan.shared_kernel_max_tokens`` in words (None: every size; 0: never)."""
+    if limit is None:
+        return "through the kernels at every size"
+    return "dense (never through the kernels)" if limit == 0 else f"through the kernels up to {limit} tokens"
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [f"# Where a layer call spends its GPU time ({meta['device']})", "",
@@ -154,7 +161,7 @@ def markdown(results: dict) -> str:
              f"{meta['preset']} layer, {meta['format']} experts on `{meta['expert_gemm']}` (plan: "
              f"`{meta['resolved_expert_gemm']}`; "
              + ("shared expert in bf16, an XLA dot" if meta.get("shared_format") == "bf16" else
-                f"shared expert through the kernels up to {meta.get('shared_kernel_max_tokens', '?')} tokens")
+                f"shared expert {_shared_kernel_limit(meta.get('shared_kernel_max_tokens', '?'))}")
              + ("; W4A8 at prefill sizes, `prefill_activations='fp8'`"
                 if meta.get("prefill_activations") == "fp8" else "")
              + "), all experts on one device. Wall: median of 5 windows of "

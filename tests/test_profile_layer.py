@@ -33,3 +33,10 @@ def test_span_busy_and_table_per_call():
     assert [(r["kernel"], r["hlo_op"], r["us_per_call"]) for r in s["table"]] == [
         ("gate_up_kernel", "custom-call.1", 10.0), ("loop_fusion", "fusion.3", 4.0), ("copy", "copy.2", 2.0)]
     assert profile_layer.summarize([], calls=2)["table"] == []
+
+
+def test_the_heading_says_in_words_when_the_shared_expert_goes_through_the_kernels():
+    # Plan.shared_kernel_max_tokens: None is every size (the heading once said "up to None tokens")
+    assert profile_layer._shared_kernel_limit(None) == "through the kernels at every size"
+    assert profile_layer._shared_kernel_limit(0) == "dense (never through the kernels)"
+    assert profile_layer._shared_kernel_limit(1024) == "through the kernels up to 1024 tokens"

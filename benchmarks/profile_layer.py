@@ -9,7 +9,8 @@ as they do unprofiled, unlike under Nsight Compute) and reads the trace's GPU ke
 Per token count it reports, per layer call: the wall time (timed, no profiler), the span of the
 call's kernels on the GPU, the time some kernel runs (the union of kernel intervals; span minus
 busy = gaps between kernels), and a table of kernels by total time with the HLO op each belongs
-to. Results: ``profile_layer.json`` and ``profile_layer.md`` in ``--out``; with ``--keep-trace``
+to and, for XLA's fusions, the JAX op each came from (the compiled module's metadata, named scopes
+included: which part of the layer a fusion between the expert kernels is). Results: ``profile_layer.json`` and ``profile_layer.md`` in ``--out``; with ``--keep-trace``
 the raw Perfetto trace files too.
 
 Usage::
@@ -32,6 +33,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -147,6 +149,24 @@ def profile(fn, args, calls: int, keep: pathlib.Path | None) -> tuple[list[dict]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_FUSION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) fusion\(.*?kind=(\w+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def fusion_sources(hlo_text: str) -> dict[str, dict]:
+    """Each XLA fusion of a compiled module's text (``compiled.as_text()``), by the name its GPU
+    kernel has in a trace (the instruction's name, ``.`` as ``_``): its result shape, kind and the
+    JAX op it came from (``metadata={op_name=...}``, which carries the ``jax.named_scope`` path)."""
+    sources = {}
+    for line in hlo_text.splitlines():
+        m = _FUSION.match(line)
+        if m:
+            op = _OP_NAME.search(line)
+            sources[m.group(1).replace(".", "_")] = {"shape": m.group(2), "kind": m.group(3),
+                                                      "op_name": op.group(1) if op else ""}
+    return sources
+
+
 def _shared_kernel_limit(limit) -> str:
     """``Plan.shared_kernel_max_tokens`` in words (None: every size; 0: never)."""
     if limit is None:
@@ -180,10 +200,14 @@ def markdown(results: dict) -> str:
             continue
         lines += [f"wall {r['wall_us']:.0f} us; kernels: span {s['span_us']:.0f} us, busy {s['busy_us']:.0f} us, "
                   f"{s['kernels_per_call']:.0f} launches", "",
-                  "| kernel | HLO op | launches | us per call | share of busy |", "|---|---|---:|---:|---:|"]
+                  "| kernel | HLO op | launches | us per call | share of busy | XLA fusion: shape, JAX op |",
+                  "|---|---|---:|---:|---:|---|"]
+        sources = r.get("fusions", {})
         for row in s["table"][:25]:
+            source = sources.get(row["kernel"])
+            where = f"`{source['shape']}` `{source['op_name'][-90:]}`" if source else ""
             lines.append(f"| `{row['kernel'][:70]}` | `{row['hlo_op'][:50]}` | {row['launches_per_call']:.0f} | "
-                         f"{row['us_per_call']:.1f} | {row['us_per_call'] / s['busy_us']:.1%} |")
+                         f"{row['us_per_call']:.1f} | {row['us_per_call'] / s['busy_us']:.1%} | {where} |")
         if len(s["table"]) > 25:
             rest = sum(row["us_per_call"] for row in s["table"][25:])
             lines.append(f"| {len(s['table']) - 25} more | | | {rest:.1f} | {rest / s['busy_us']:.1%} |")
@@ -240,7 +264,11 @@ def main() -> None:
             x = jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16)
             seconds, _ = timed(lambda p, x: moe_jax.moe_forward(p, x, plan)[0], params, x, iters=args.iters)
             kernels, lines = profile(fn, (params, x), args.calls, args.out / "traces" if args.keep_trace else None)
-            row.update(wall_us=seconds * 1e6, summary=summarize(kernels, args.calls), lines=list(lines))
+            summary = summarize(kernels, args.calls)
+            # which JAX op each of the timed XLA fusions comes from: the gaps between the kernels named
+            sources = fusion_sources(fn.lower(params, x).compile().as_text())
+            row.update(wall_us=seconds * 1e6, summary=summary, lines=list(lines),
+                       fusions={k["kernel"]: sources[k["kernel"]] for k in summary["table"] if k["kernel"] in sources})
         except Exception as err:  # recorded, never hidden
             row.update(error=f"{type(err).__name__}: {str(err)[:400]}", summary={"table": []})
         print(json.dumps({k: v for k, v in row.items() if k != "summary"}), flush=True)

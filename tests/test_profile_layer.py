@@ -40,3 +40,38 @@ def test_the_heading_says_in_words_when_the_shared_expert_goes_through_the_kerne
     assert profile_layer._shared_kernel_limit(None) == "through the kernels at every size"
     assert profile_layer._shared_kernel_limit(0) == "dense (never through the kernels)"
     assert profile_layer._shared_kernel_limit(1024) == "through the kernels up to 1024 tokens"
+
+
+HLO = """HloModule jit__lambda_
+%fused_computation (param_0: bf16[8,4]) -> bf16[4,8] {
+  ROOT %transpose.1 = bf16[4,8]{1,0} transpose(%param_0), dimensions={1,0}
+}
+ENTRY %main (x: bf16[8,4]) -> bf16[4,8] {
+  %x = bf16[8,4]{1,0} parameter(0)
+  %loop_select_transpose_fusion.2 = bf16[4,8]{1,0} fusion(bf16[8,4]{1,0} %x), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(<lambda>)/moe_jax.combine/transpose" source_file="a.py" source_line=3}
+  ROOT %input_reduce_fusion = f32[4]{0} fusion(%loop_select_transpose_fusion.2), kind=kInput, calls=%fused_reduce
+}
+"""
+
+
+def test_fusions_are_named_as_their_kernels_with_the_jax_op_they_come_from():
+    sources = profile_layer.fusion_sources(HLO)
+    assert sources == {
+        "loop_select_transpose_fusion_2": {"shape": "bf16[4,8]{1,0}", "kind": "kLoop",
+                                           "op_name": "jit(<lambda>)/moe_jax.combine/transpose"},
+        "input_reduce_fusion": {"shape": "f32[4]{0}", "kind": "kInput", "op_name": ""}}
+
+
+def test_a_compiled_layer_names_its_fusions():
+    # the small preset on this machine's backend: every fusion XLA made has a kind and a shape
+    import jax
+    import moe_jax
+
+    config = profile_layer.config_for("small", "bf16", "xla")
+    plan = moe_jax.resolve(config, None)
+    params = moe_jax.random_params(config, jax.random.key(0), plan)
+    x = jax.numpy.ones((8, config.hidden_size), jax.numpy.bfloat16)
+    text = jax.jit(lambda p, x: moe_jax.moe_forward(p, x, plan)[0]).lower(params, x).compile().as_text()
+    sources = profile_layer.fusion_sources(text)
+    assert len(sources) == text.count(" fusion(") > 0
+    assert any("moe_jax" in s["op_name"] or "jit(" in s["op_name"] for s in sources.values()), sources

@@ -111,11 +111,10 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid):
             if self._large is None:  # read once every worker has collected (and written it)
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        self._large = set(f.read().split("\n")) - {""}
-                except (OSError, TypeError):
-                    self._large = set()
+                if path is None or not os.path.exists(path):
+                    raise RuntimeError(f"--dist loadgroup: no worker wrote the large_gpu_memory test ids ({path})")
+                with open(path, encoding="utf-8") as f:
+                    self._large = set(f.read().split("\n")) - {""}
             return "large_gpu_memory" if nodeid in self._large else super()._split_scope(nodeid)
 
     return LargeGpuMemoryTogether(config, log)

@@ -10,8 +10,9 @@ Per token count it reports, per layer call: the wall time (timed, no profiler), 
 call's kernels on the GPU, the time some kernel runs (the union of kernel intervals; span minus
 busy = gaps between kernels), and a table of kernels by total time with the HLO op each belongs
 to and, for XLA's fusions, the JAX op each came from (the compiled module's metadata, named scopes
-included: which part of the layer a fusion between the expert kernels is). Results: ``profile_layer.json`` and ``profile_layer.md`` in ``--out``; with ``--keep-trace``
-the raw Perfetto trace files too.
+included: which part of the layer a fusion between the expert kernels is). Results:
+``profile_layer.json`` and ``profile_layer.md`` in ``--out``; with ``--keep-trace`` the raw
+Perfetto trace files too.
 
 Usage::
 

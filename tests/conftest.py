@@ -127,14 +127,13 @@ def pytest_collection_finish(session):
     off still says what it did not reach, and a continuation runs the rest of the same list
     (whatever optional packages its own collection would see). Under xdist every worker collects
     the same list (xdist checks that); the first writes it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     large_ids = getattr(session.config, "workerinput", {}).get(_LARGE_GPU_MEMORY_IDS)
     if large_ids:
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         with open(f"{large_ids}.{worker}", "w", encoding="utf-8") as f:
             f.writelines(f"{item.nodeid}\n" for item in session.items if item.get_closest_marker("large_gpu_memory"))
         os.replace(f"{large_ids}.{worker}", large_ids)  # every worker collected the same tests
     path = os.environ.get("MOE_JAX_COLLECTED_IDS")
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
     xdist_controller = worker is None and (session.config.getoption("numprocesses", None) or 0) != 0
     if not path or xdist_controller or worker not in (None, "gw0"):
         return

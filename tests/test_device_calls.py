@@ -70,3 +70,19 @@ def test_the_branch_call_measures_then_skips_a_check_that_cannot_finish(tmp_path
     steps = [line for line in calls.read_text().splitlines() if "train_step.py" in line]
     assert len(steps) == 2 and all("--layer-weights bf16 --experts 48" in line for line in steps), steps
     assert not (tmp_path / "out" / "gc").exists()
+
+
+def test_the_profile_ab_call_alternates_the_base_tree_and_this_one(tmp_path):
+    """Base, tree, base, tree: each base profile runs from the base's own tree (profile_layer.py
+    puts its tree first on ``sys.path``) and is stamped with the base's commit."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "python_calls.txt"
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$PWD $GIT_COMMIT $*" >> {calls}\n')
+    (bin_dir / "python").chmod(0o755)
+    out = subprocess.run(["bash", str(SCRIPT), "profile_ab", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                         text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": "", "BASE": "b0",
+                                         "GIT_COMMIT": "t1"})
+    steps = [line.split() for line in calls.read_text().splitlines() if "profile_layer.py" in line]
+    assert [(cwd == "/tmp/base", commit) for cwd, commit, *_ in steps] == [(True, "b0"), (False, "t1")] * 2, out
+    assert all("--tokens" in step and "8192" in step for step in steps)

@@ -29,6 +29,10 @@
 #             (BASE=<sha>: .whl/base_<sha>.tgz, its own tree) and this tree's, alternating ROUNDS
 #             times (default 2; ~75 s a round); WEIGHTS (default "nvfp4 bf16": bf16 and frozen
 #             NVFP4 experts), EXPERTS (default 48; 384 is Kimi K2 on one GPU: NVFP4 only fits)
+#   profile_ab the Kimi K2 layer's profile at 8192 tokens (where its GPU time goes, each XLA fusion
+#             with its JAX op) with main's library (BASE=<sha>: .whl/base_<sha>.tgz, its own tree)
+#             and this tree's, alternating ROUNDS times (default 2; ~70 s a profile): a change to
+#             the layer's passes outside the expert kernels, measured where it acts (~300 s)
 #   many_rows the NVFP4 expert MLP over fewer, larger experts (65536 rows over 48, 32, 24, 16, 8
 #             and 6 experts: 1365-10923 rows per expert) through the W4A16 kernels and through
 #             bf16 copies of the weights (triton_lang.dequantized_forward): where the copies pay
@@ -47,11 +51,11 @@
 # Each step's output goes to "$OUT/<step>"; a step that fails or runs out of time leaves what it
 # wrote and the next step still runs; the script exits non-zero if any step failed.
 set -u
-call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch OUT}
-out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch OUT}
+call=${1:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|profile_ab|many_rows|targets|branch OUT}
+out=${2:?usage: GIT_COMMIT=<sha> bash tools/device_calls.sh layer|probes|training|w4a8|ncu|wgrad|layer_grads|profile_ab|many_rows|targets|branch OUT}
 case "$call" in
-  layer|probes|training|w4a8|ncu|wgrad|layer_grads|many_rows|targets|branch) ;;
-  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, many_rows, targets, branch)"
+  layer|probes|training|w4a8|ncu|wgrad|layer_grads|profile_ab|many_rows|targets|branch) ;;
+  *) echo "device_calls: unknown call '$call' (layer, probes, training, w4a8, ncu, wgrad, layer_grads, profile_ab, many_rows, targets, branch)"
      exit 2 ;;
 esac
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
@@ -75,10 +79,14 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under timeout, its output
   [ "$rc" -eq 0 ] || failed=1
 }
 
-layer_grads_ab() {  # layer_grads_ab ROUNDS WEIGHTS
-  # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
+base_tree() {  # the base library (BASE=<sha>: .whl/base_<sha>.tgz) in a tree of its own, /tmp/base
   base=${BASE:?"BASE=<main's commit>, whose library is .whl/base_<commit>.tgz"}
   mkdir -p /tmp/base && tar xzf ".whl/base_$base.tgz" -C /tmp/base && cp -r benchmarks /tmp/base/
+}
+
+layer_grads_ab() {  # layer_grads_ab ROUNDS WEIGHTS
+  # train_step.py puts the tree it sits in first on sys.path: the base runs from a tree of its own
+  base_tree
   # shellcheck disable=SC2086  # WEIGHTS is a list of words
   for i in $(seq "$1"); do
     step "layer_grads_base_$i" 110 env -C /tmp/base PYTHONPATH=/tmp/site python benchmarks/train_step.py \
@@ -130,6 +138,16 @@ case "$call" in
       --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --csv --page details \
       --log-file "$out/ncu_down.csv" python benchmarks/fp8_probe.py --out "$out/ncu_run" --rows 65536 --shapes down \
       --once --kernels "table w4a16" "probe w4a16" "probe w4a8"
+    ;;
+  profile_ab)
+    # profile_layer.py puts the tree it sits in first on sys.path, as train_step.py does
+    base_tree
+    for i in $(seq "${ROUNDS:-2}"); do
+      step "profile_base_$i" 120 env -C /tmp/base PYTHONPATH=/tmp/site GIT_COMMIT="$base" python \
+        benchmarks/profile_layer.py --out "$out/base_$i" --tokens 8192 --expert-gemm triton --calls 20
+      step "profile_$i" 120 python benchmarks/profile_layer.py --out "$out/tree_$i" --tokens 8192 \
+        --expert-gemm triton --calls 20
+    done
     ;;
   many_rows)
     for experts in 48 32 24 16 8 6; do
